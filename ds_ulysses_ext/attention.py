@@ -1,0 +1,61 @@
+"""Ulysses attention: exact attention over a sequence split into contiguous chunks across a CP group.
+
+Legend: B batch, s local sequence, S = s * cp global sequence, Hq query heads, Hkv key/value heads,
+hq = Hq / cp, hkv = max(Hkv, cp) / cp KV heads per rank after the exchange, D head dim.
+
+    q [B s Hq D] --a2a--> [B S hq D] \
+    k|v [B s 2*Hkv' D] --a2a--> [B S 2*hkv D] --local attention--> o [B S hq D] --a2a--> [B s Hq D]
+
+Three all-to-alls per forward (Q, fused K|V, output) and three in backward (their adjoints).
+K and V travel in one call: they are interleaved per destination rank so that a single
+all_to_all_single delivers to rank j exactly its KV heads of both tensors.
+GQA: no repeat_kv when Hkv % cp == 0; when cp % Hkv == 0 each KV head is replicated cp/Hkv times so
+each rank receives the one KV head its query heads read (layout.kv_replication).
+With cp == 1 this is a direct call of the local backend: the single-rank path is the reference.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .backends import local_attention
+from .comm import group_size, head_to_seq, seq_to_head
+from .layout import kv_replication
+
+
+def _pack_kv(k_BsHD: torch.Tensor, v_BsHD: torch.Tensor, cp: int) -> torch.Tensor:
+    # [B s Hkv' D] x2 -> [B s cp*(2*hkv) D]: destination rank j's block holds its K heads then its V heads
+    B, s, H, D = k_BsHD.shape
+    k = k_BsHD.reshape(B, s, cp, H // cp, D)
+    v = v_BsHD.reshape(B, s, cp, H // cp, D)
+    return torch.cat([k, v], dim=3).reshape(B, s, 2 * H, D)
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, causal: bool = True,
+                      softmax_scale: Optional[float] = None, backend: str = "auto") -> torch.Tensor:
+    """This rank's chunk of exact attention over the whole sequence.
+
+    Args:
+        q: [B, s, Hq, D], this rank's contiguous chunk `rank_in_group` of the sequence.
+        k, v: [B, s, Hkv, D].
+        group: the CP process group (None or size 1: plain local attention).
+        causal: causal mask over global positions (chunks are in rank order).
+        softmax_scale: defaults to 1/sqrt(D).
+        backend: 'auto' | 'sdpa' | 'flash_attn' (see backends.py).
+    Returns:
+        [B, s, Hq, D].
+    """
+    cp = group_size(group)
+    if cp == 1:
+        return local_attention(backend, q, k, v, causal=causal, softmax_scale=softmax_scale)
+    rep = kv_replication(q.shape[2], k.shape[2], cp)
+    if rep > 1:
+        # [B s Hkv D] -> [B s cp D]: KV head i is read by query-head ranks i*rep .. i*rep+rep-1
+        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+    q_BShD = seq_to_head(q, group)                                 # [B S hq D]
+    kv_BShD = seq_to_head(_pack_kv(k, v, cp), group)               # [B S 2*hkv D]
+    hkv = kv_BShD.shape[2] // 2
+    k_BShD, v_BShD = kv_BShD[:, :, :hkv], kv_BShD[:, :, hkv:]
+    o_BShD = local_attention(backend, q_BShD, k_BShD, v_BShD, causal=causal, softmax_scale=softmax_scale)
+    return head_to_seq(o_BShD, group)                              # [B s Hq D]

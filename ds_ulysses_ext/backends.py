@@ -1,0 +1,75 @@
+"""Local (single-rank) attention kernels that Ulysses runs on the head-sharded, full-sequence tensors.
+
+Legend: B batch, S sequence, hq query heads, hkv key/value heads (hq % hkv == 0), D head dim.
+Every backend takes and returns the [B, S, h, D] layout and handles GQA natively (no repeat_kv).
+
+- `sdpa`: torch scaled_dot_product_attention. On Hopper it dispatches to cuDNN attention for these
+  shapes (539 TFLOP/s fwd+bwd at 128k, research/gpu_baseline.md); on CPU it runs the math kernel.
+- `flash_attn`: flash-attn 2/3 `flash_attn_func`, imported lazily (a GPU-only optional extra).
+- `auto`: flash_attn when it imports and the tensors are on CUDA, else sdpa.
+The choice is logged once per process per (backend, device type).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from .errors import UnsupportedError
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "sdpa", "flash_attn")
+
+
+def sdpa_attention(q_BShD, k_BShD, v_BShD, *, causal: bool, softmax_scale: Optional[float]):
+    # SDPA wants [B h S D]; transposed views are what HF passes too, and the fused kernels accept them
+    out_BhSD = F.scaled_dot_product_attention(
+        q_BShD.transpose(1, 2), k_BShD.transpose(1, 2), v_BShD.transpose(1, 2),
+        is_causal=causal, scale=softmax_scale, enable_gqa=q_BShD.shape[2] != k_BShD.shape[2])
+    return out_BhSD.transpose(1, 2)
+
+
+@functools.lru_cache(maxsize=None)
+def _flash_attn_func() -> Optional[Callable]:
+    try:
+        from flash_attn import flash_attn_func  # optional GPU extra
+    except Exception:  # ImportError, or a broken CUDA build: both mean "not usable here"
+        return None
+    return flash_attn_func
+
+
+def flash_attention(q_BShD, k_BShD, v_BShD, *, causal: bool, softmax_scale: Optional[float]):
+    fn = _flash_attn_func()
+    if fn is None:
+        raise UnsupportedError("attention backend 'flash_attn' requested but flash-attn is not importable; "
+                               "install the 'gpu' extra or set model.attn_backend=sdpa")
+    return fn(q_BShD, k_BShD, v_BShD, causal=causal, softmax_scale=softmax_scale)
+
+
+_IMPLS = {"sdpa": sdpa_attention, "flash_attn": flash_attention}
+
+
+def resolve_backend(name: str, device_type: str) -> str:
+    """Turn 'auto' into a concrete backend for this device, and refuse unknown names."""
+    if name not in BACKENDS:
+        raise UnsupportedError(f"unknown attention backend {name!r}; choose one of {BACKENDS} (model.attn_backend)")
+    if name == "auto":
+        name = "flash_attn" if device_type == "cuda" and _flash_attn_func() is not None else "sdpa"
+    _log_choice(name, device_type)
+    return name
+
+
+@functools.lru_cache(maxsize=None)
+def _log_choice(name: str, device_type: str) -> None:
+    log.info("attention backend: %s on %s", name, device_type)
+
+
+def local_attention(backend: str, q_BShD, k_BShD, v_BShD, *, causal: bool = True,
+                    softmax_scale: Optional[float] = None) -> torch.Tensor:
+    """Exact attention over the whole (local) sequence with the named backend."""
+    impl = _IMPLS[resolve_backend(backend, q_BShD.device.type)]
+    return impl(q_BShD, k_BShD, v_BShD, causal=causal, softmax_scale=softmax_scale)

@@ -1,0 +1,80 @@
+"""shard_batch: turn a full-sequence batch into this CP rank's contiguous chunk, exactly.
+
+Legend: B batch, S sequence (padded to Sp, a multiple of cp), s = Sp / cp local sequence.
+
+Order matters for exactness (DESIGN 3.1):
+1. shift the labels on the FULL sequence (target of position i is token i+1), so the first token of
+   each chunk is predicted by the previous chunk's last position with no collective;
+2. pad to a multiple of cp: pad tokens get label -100 and continue the position count;
+3. split input_ids, the shifted labels and global position_ids into contiguous chunks.
+The returned `labels` are already shifted: compute the loss without shifting again (loss.py does).
+Right padding only; left padding, multimodal inputs and unknown tensors are refused.
+"""
+from __future__ import annotations
+
+import torch
+
+from .errors import UnsupportedError
+from .integrate import MULTIMODAL_KEYS
+from .layout import chunk_bounds, padded_length
+from .topology import Topology
+
+IGNORE_INDEX = -100
+KNOWN_KEYS = {"input_ids", "labels", "attention_mask", "position_ids"}
+
+
+def shift_labels(labels_BS: torch.Tensor) -> torch.Tensor:
+    """[B S] unshifted -> [B S] targets: out[:, i] = labels[:, i+1], last position -100."""
+    pad = torch.full_like(labels_BS[:, :1], IGNORE_INDEX)
+    return torch.cat([labels_BS[:, 1:], pad], dim=1)
+
+
+def _check_inputs(batch: dict) -> None:
+    for key in batch:
+        if key in MULTIMODAL_KEYS or key.startswith(("pixel_", "image_", "video_", "audio_")):
+            raise UnsupportedError(f"multimodal input {key!r} is not supported under context parallelism; "
+                                   "train on text only or run with parallelism.cp=1")
+    unknown = set(batch) - KNOWN_KEYS
+    if unknown:
+        raise UnsupportedError(f"shard_batch does not know how to split {sorted(unknown)}; "
+                               f"it handles {sorted(KNOWN_KEYS)}")
+    mask = batch.get("attention_mask")
+    if mask is not None and bool((mask[:, 1:] > mask[:, :-1]).any()):
+        raise UnsupportedError("left padding detected (a pad before a real token) in attention_mask; context "
+                               "parallelism needs right padding (tokenizer.padding_side='right', data.padding_side=right)")
+
+
+def shard_batch(batch: dict, topology: Topology, pad_token_id: int = 0) -> dict:
+    """Pad, pre-shift labels and return this rank's chunk of input_ids, labels and position_ids.
+
+    Args:
+        batch: input_ids [B, S]; labels [B, S] unshifted (HF convention, -100 = no loss), optional
+            attention_mask [B, S] (right padding only), optional position_ids [B, S].
+        topology: gives cp_size and cp_rank.
+    Returns:
+        {"input_ids": [B, s], "labels": [B, s] (shifted), "position_ids": [B, s]}.
+    """
+    _check_inputs(batch)
+    input_ids = batch["input_ids"]
+    B, S = input_ids.shape
+    labels = batch.get("labels", input_ids)
+    targets = shift_labels(labels)
+    if batch.get("attention_mask") is not None:
+        # a pad position's target is the next (pad) token: never a loss
+        targets = targets.masked_fill(shift_labels(batch["attention_mask"]) == 0, IGNORE_INDEX)
+    position_ids = batch.get("position_ids")
+    cp = topology.cp_size
+    Sp = padded_length(S, cp)
+    if Sp != S:
+        extra = Sp - S
+        input_ids = torch.cat([input_ids, input_ids.new_full((B, extra), pad_token_id)], dim=1)
+        targets = torch.cat([targets, targets.new_full((B, extra), IGNORE_INDEX)], dim=1)
+        if position_ids is not None:
+            tail = position_ids[:, -1:] + torch.arange(1, extra + 1, device=position_ids.device)
+            position_ids = torch.cat([position_ids, tail], dim=1)
+    if position_ids is None:
+        position_ids = torch.arange(Sp, device=input_ids.device).unsqueeze(0).expand(B, Sp)
+    start, end = chunk_bounds(Sp, cp, topology.cp_rank)
+    return {"input_ids": input_ids[:, start:end].contiguous(),
+            "labels": targets[:, start:end].contiguous(),
+            "position_ids": position_ids[:, start:end].contiguous()}

@@ -1,0 +1,19 @@
+"""Tiny HF causal LMs built from config (no downloads), shared by the tests."""
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+              num_attention_heads=8, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
+              tie_word_embeddings=False)
+
+
+def tiny_config(family: str, **overrides):
+    cls = {"llama": LlamaConfig, "qwen3": Qwen3Config}[family]
+    return cls(**{**COMMON, **overrides})
+
+
+def tiny_model(family: str, seed: int = 0, attn="sdpa", **overrides):
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, **overrides), attn_implementation=attn,
+                                             dtype=torch.float32)
+    return model.train()
