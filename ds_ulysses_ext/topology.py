@@ -58,14 +58,12 @@ class _DeepSpeedMpuMethods:
     get_model_parallel_world_size = get_sequence_parallel_world_size
     get_model_parallel_rank = get_sequence_parallel_rank
 
-    def get_data_parallel_group(self):
-        return self.dp_group
-
-    def get_data_parallel_world_size(self) -> int:
-        return self.dp_size
-
-    def get_data_parallel_rank(self) -> int:
-        return self.dp_rank
+    # Deliberately NO get_data_parallel_group/world_size/rank: DeepSpeed 0.19's ZeRO-3 converts the
+    # model with `Init(data_parallel_group=mpu.get_data_parallel_group())` when that method exists
+    # (runtime/zero/parameter_offload.py), which partitions and reduces gradients over the DP group
+    # only and silently drops the sum over CP ranks (measured: each rank kept its local gradient).
+    # Without it, ZeRO uses the sequence-data-parallel group, i.e. all dp x cp ranks.
+    # tests/test_topology.py guards this.
 
 
 @dataclass
