@@ -1,4 +1,4 @@
-"""The only place that reaches into transformers: CP attention registration and the model guards.
+"""The only place that patches other libraries: CP attention registration, model guards, DeepSpeed.
 
 `enable_context_parallel(model, topology)`:
 - validates the model family and head counts for this cp (models.py);
@@ -141,3 +141,14 @@ def enable_context_parallel(model, topology: Topology, backend: str = "auto"):
     if topology.cp_size > 1:
         model.generate = _refuse_generate
     return model
+
+
+def skip_deepspeed_shm_build() -> None:
+    """Stop DeepSpeed's CPU accelerator from JIT-compiling `deepspeed_shm_comm` at init (35-75 s).
+
+    That op only serves inference all-reduce; training never uses it, and DeepSpeed 0.19 has no switch
+    to skip it (research/stack.md section 3.3). `import deepspeed.comm.torch` would return the torch
+    module (a name clash inside deepspeed.comm), hence importlib.
+    """
+    import importlib
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None

@@ -7,7 +7,6 @@ fails instead of hanging. A failing rank's exception fails the test.
 """
 from __future__ import annotations
 
-import importlib
 import os
 import tempfile
 from datetime import timedelta
@@ -19,7 +18,8 @@ import torch.multiprocessing as mp
 
 def patch_deepspeed_shm_build() -> None:
     """Skip DeepSpeed's CPU shm-comm JIT build (35-75 s, only used for inference all-reduce)."""
-    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    from ds_ulysses_ext.integrate import skip_deepspeed_shm_build
+    skip_deepspeed_shm_build()
 
 
 def _entry(rank, fn, world_size, store, args):

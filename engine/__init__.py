@@ -1,0 +1,1 @@
+"""The training run: model + DeepSpeed engine, data, the loop, checkpoints, metrics and tracking."""

@@ -1,0 +1,77 @@
+"""Build the model and the DeepSpeed engine for a validated plan.
+
+Order matters: the DeepSpeed config object must exist before the model is created so that ZeRO-3
+partitions parameters while they are created (HfDeepSpeedConfig -> zero.Init inside transformers)
+instead of materialising the whole model on every rank (DeepSpeed issue #7458).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from configs import Plan, TrainConfig
+from ds_ulysses_ext import CPCausalLM, Topology, enable_context_parallel
+
+from .hf_config import hf_config_of
+from .ds_config import optimizer_params, to_deepspeed_dict
+from .grad_reduction import check_engine
+from .schedule import build_scheduler
+
+log = logging.getLogger(__name__)
+
+_HF_DS_CONFIG = []  # transformers reads the live HfDeepSpeedConfig through a weakref: keep it alive
+
+
+def model_dtype(cfg: TrainConfig) -> torch.dtype:
+    return torch.bfloat16 if cfg.precision == "bf16" else torch.float32
+
+
+def build_hf_model(cfg: TrainConfig, ds_dict: dict):
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+    if cfg.deepspeed.zero_stage == 3:
+        _HF_DS_CONFIG.clear()
+        _HF_DS_CONFIG.append(HfDeepSpeedConfig(ds_dict))
+    m = cfg.model
+    torch.manual_seed(cfg.run.seed)  # random init is identical on every rank and every layout
+    if m.source == "pretrained":
+        model = AutoModelForCausalLM.from_pretrained(m.path, dtype=model_dtype(cfg), attn_implementation="sdpa")
+    else:
+        hf_config = hf_config_of(m)
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=model_dtype(cfg), attn_implementation="sdpa")
+    model.config.use_cache = False
+    return model.train()
+
+
+def build(cfg: TrainConfig, plan: Plan, topo: Topology, device: torch.device):
+    """Returns (engine, hf_model, loss_scale)."""
+    import deepspeed
+    ds_dict = to_deepspeed_dict(cfg, plan)
+    hf = build_hf_model(cfg, ds_dict)
+    enable_context_parallel(hf, topo, backend=cfg.model.attn_backend)
+    policies = _apply_memory(hf, cfg)
+    model = CPCausalLM(hf, loss_chunk_size=cfg.trainer.loss_chunk_size)
+    if cfg.deepspeed.zero_stage != 3:
+        model.to(device)
+    optimizer = None
+    if "optimizer" not in ds_dict:
+        p = optimizer_params(cfg)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=p["lr"], betas=tuple(p["betas"]), eps=p["eps"],
+                                      weight_decay=p["weight_decay"])
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_dict, mpu=topo,
+                                      lr_scheduler=build_scheduler(cfg.trainer))
+    scale = check_engine(engine, plan)
+    log.info("gradient reduction: ZeRO-%d, per-rank loss share scaled by %g", engine.zero_optimization_stage(), scale)
+    engine.memory_policies = policies
+    return engine, hf, scale
+
+
+def _apply_memory(hf, cfg: TrainConfig):
+    try:
+        from ds_ulysses_ext.memory import apply_memory_policies
+    except ImportError:  # memory policies not installed in this checkout
+        if cfg.memory.recompute != "none" or cfg.memory.offload_activations or cfg.memory.tiled_mlp:
+            raise
+        return []
+    return apply_memory_policies(hf, cfg.memory)

@@ -1,0 +1,82 @@
+"""Save, find and resume checkpoints; export a consolidated HF checkpoint.
+
+Layout under <run.out_dir>/checkpoints/:  step_00000004/ (DeepSpeed's files + rng_rank<r>.pt) and
+`latest`, a one-line file naming the newest COMPLETE tag. `latest` is replaced atomically by rank 0
+only after every rank has finished writing (a barrier), so a crash mid-save leaves the previous
+checkpoint as latest. The data order is a pure function of (seed, step) (engine/data/sampler.py), so
+the step number, DeepSpeed's optimizer/scheduler state and the RNG states are all a resume needs.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import random
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+
+def ckpt_root(out_dir: Path) -> Path:
+    return out_dir / "checkpoints"
+
+
+def latest_tag(out_dir: Path) -> Optional[str]:
+    path = ckpt_root(out_dir) / "latest"
+    return path.read_text().strip() if path.exists() else None
+
+
+def save(engine, out_dir: Path, step: int, rank: int) -> str:
+    tag = f"step_{step:08d}"
+    root = ckpt_root(out_dir)
+    engine.save_checkpoint(str(root), tag=tag, client_state={"step": step}, save_latest=False)
+    rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
+           "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+    torch.save(rng, root / tag / f"rng_rank{rank}.pt")
+    dist.barrier()
+    if rank == 0:
+        tmp = root / "latest.tmp"
+        tmp.write_text(tag + "\n")
+        os.replace(tmp, root / "latest")
+        log.info("checkpoint %s saved", tag)
+    dist.barrier()
+    return tag
+
+
+def load(engine, out_dir: Path, tag: str, rank: int) -> int:
+    """Restore engine state and RNG; returns the number of optimizer steps already done."""
+    root = ckpt_root(out_dir)
+    path, client = engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True,
+                                          load_lr_scheduler_states=True)
+    if path is None:
+        raise RuntimeError(f"checkpoint {root / tag} named by 'latest' could not be loaded")
+    rng = torch.load(root / tag / f"rng_rank{rank}.pt", weights_only=False)
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    if rng["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    return int(client["step"])
+
+
+def export_hf(engine, hf_model, export_dir: Path, rank: int, tokenizer=None) -> Path:
+    """Write an HF `save_pretrained` folder (safetensors) of the full model. Collective under ZeRO-3."""
+    if engine.zero_optimization_stage() == 3:
+        state = engine._zero3_consolidated_16bit_state_dict()  # gathers every shard; full dict on rank 0
+    else:
+        state = engine.module.state_dict()
+    if rank == 0:
+        prefix = "hf."
+        state = {k[len(prefix):] if k.startswith(prefix) else k: v.detach().cpu() for k, v in state.items()}
+        impl = hf_model.config._attn_implementation
+        hf_model.config._attn_implementation = "sdpa"  # the export must load without this package
+        try:
+            hf_model.save_pretrained(str(export_dir), state_dict=state, safe_serialization=True)
+        finally:
+            hf_model.config._attn_implementation = impl
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(export_dir))
+    dist.barrier()
+    return export_dir

@@ -1,0 +1,53 @@
+"""Process start-up: ranks from the environment, the device, and the process group.
+
+Works under `deepspeed --no_local_rank`, plain `deepspeed` (scripts/train.py drops the stray
+--local_rank=N), `torchrun`, and a plain `python` (world 1). NCCL on GPUs, gloo on CPUs.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Runtime:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def read_runtime(device_pref: str = "auto") -> Runtime:
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    use_cuda = device_pref == "cuda" or (device_pref == "auto" and torch.cuda.is_available())
+    if use_cuda and not torch.cuda.is_available():
+        raise RuntimeError("device=cuda requested but no CUDA device is visible; use device=cpu or auto")
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    return Runtime(rank=rank, local_rank=local_rank, world_size=world, device=device)
+
+
+def init_distributed(rt: Runtime) -> None:
+    """Create the default process group (also for world 1: DeepSpeed wants one)."""
+    if rt.device.type == "cpu":
+        # DeepSpeed picks its accelerator at import; make CPU explicit (and silence its warning)
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    else:
+        torch.cuda.set_device(rt.device)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    os.environ.setdefault("RANK", str(rt.rank))
+    os.environ.setdefault("WORLD_SIZE", str(rt.world_size))
+    os.environ.setdefault("LOCAL_RANK", str(rt.local_rank))
+    import deepspeed
+    from ds_ulysses_ext.integrate import skip_deepspeed_shm_build
+    skip_deepspeed_shm_build()
+    if not torch.distributed.is_initialized():
+        deepspeed.init_distributed(dist_backend="nccl" if rt.device.type == "cuda" else "gloo")

@@ -1,0 +1,51 @@
+"""to_deepspeed_dict: the only module that spells DeepSpeed JSON keys.
+
+The gradient-reduction path is pinned here (ZeRO-3 reduce_scatter on, no pre/post-divide tricks) so
+that engine/grad_reduction.py can state the exact scale, and the engine checks the path at start-up.
+"""
+from __future__ import annotations
+
+from configs import Plan, TrainConfig
+
+
+def to_deepspeed_dict(cfg: TrainConfig, plan: Plan) -> dict:
+    ds = cfg.deepspeed
+    zero: dict = {
+        "stage": ds.zero_stage,
+        "overlap_comm": ds.overlap_comm,
+        "contiguous_gradients": ds.contiguous_gradients,
+        "reduce_bucket_size": ds.reduce_bucket_size,
+        "reduce_scatter": True,  # pinned: grad_reduction.py's scale assumes it
+    }
+    if ds.zero_stage == 3:
+        zero.update({
+            "stage3_param_persistence_threshold": ds.stage3_param_persistence_threshold,
+            "stage3_prefetch_bucket_size": ds.stage3_prefetch_bucket_size,
+            "stage3_gather_16bit_weights_on_model_save": False,
+        })
+        if ds.offload_param:
+            zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    if ds.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    config = {
+        "train_micro_batch_size_per_gpu": plan.micro_batch_size,
+        "gradient_accumulation_steps": plan.grad_accum,
+        "gradient_clipping": cfg.trainer.grad_clip,
+        "sequence_parallel_size": plan.cp,
+        "zero_optimization": zero,
+        "bf16": {"enabled": cfg.precision == "bf16"},
+        "prescale_gradients": False,
+        "gradient_predivide_factor": 1.0,
+        "steps_per_print": 1 << 30,  # our own logger reports every step
+        "wall_clock_breakdown": False,
+        "zero_allow_untested_optimizer": True,
+    }
+    if ds.offload_optimizer:
+        # ZeRO-Offload needs DeepSpeed's CPU Adam; it refuses a client torch optimizer
+        config["optimizer"] = {"type": "AdamW", "params": optimizer_params(cfg)}
+    return config
+
+
+def optimizer_params(cfg: TrainConfig) -> dict:
+    t = cfg.trainer
+    return {"lr": t.lr, "betas": [t.adam_beta1, t.adam_beta2], "eps": t.adam_eps, "weight_decay": t.weight_decay}

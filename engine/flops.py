@@ -1,0 +1,40 @@
+"""Model FLOPs per step and the MFU they imply.
+
+    FLOPs per step = 6 * N * T  +  6 * L * Hq * Dh * sum_over_sequences(S^2)
+
+N: parameters (tied embeddings counted once), T: tokens processed in the global batch, L: layers,
+Hq: query heads, Dh: head dim, S: each sequence's length (the global, unsplit length). The second term
+is causal attention: forward 2 * Hq * Dh * S^2 per layer (QK^T and PV, each S^2/2 * Dh * 2 per head),
+backward twice the forward. Recompute is NOT counted (MFU convention), so memory policies that
+recompute lower MFU honestly. Same formula as ../anchor-bench/model_bench.py, so numbers compare.
+"""
+from __future__ import annotations
+
+# dense bf16 tensor-core peaks per GPU (TFLOP/s), by substring of torch.cuda.get_device_name()
+PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "B200": 2250.0, "B300": 2250.0}
+
+
+def count_params(model) -> int:
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        total += p.ds_numel if hasattr(p, "ds_numel") else p.numel()  # ZeRO-3 params are partitioned
+    return total
+
+
+def step_flops(num_params: int, hf_config, num_seqs: int, seq_len: int) -> float:
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    dense = 6.0 * num_params * num_seqs * seq_len
+    attention = 6.0 * hf_config.num_hidden_layers * hf_config.num_attention_heads * head_dim * num_seqs * seq_len ** 2
+    return dense + attention
+
+
+def detect_peak_tflops(device) -> float:
+    """bf16 dense peak of this GPU, or 0.0 when unknown (MFU is then not reported)."""
+    if device.type != "cuda":
+        return 0.0
+    import torch
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), 0.0)

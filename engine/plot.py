@@ -1,0 +1,21 @@
+"""Loss curve PNG from metrics.jsonl (rank 0, end of run)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def plot_loss(metrics_path: Path, png_path: Path) -> Path:
+    import matplotlib
+    matplotlib.use("Agg")  # no display on training machines
+    import matplotlib.pyplot as plt
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], marker="o", ms=3)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss (mean token CE)")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
+    plt.close(fig)
+    return png_path

@@ -1,0 +1,41 @@
+"""One optimizer step: shard the micro-batches, count the global tokens, forward/backward, step.
+
+The normaliser (non-masked targets in the whole global batch, all dp ranks and micro-batches) is
+all-reduced BEFORE the first backward, so every micro-batch's share is final when it is backpropagated.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ds_ulysses_ext import IGNORE_INDEX, Topology, shard_batch
+
+
+@dataclass
+class StepResult:
+    loss: float          # global-batch mean token cross-entropy (DESIGN 3.1)
+    grad_norm: float     # global gradient norm before clipping, as DeepSpeed computed it
+    tokens: int          # non-masked target tokens in the global batch
+    input_tokens: int    # sequence positions processed in the global batch (padding to seq_len included)
+
+
+def train_step(engine, micro_batches: list[dict], topo: Topology, scale: float, device: torch.device,
+               pad_token_id: int = 0) -> StepResult:
+    shards = [{k: v.to(device) for k, v in shard_batch(mb, topo, pad_token_id).items()} for mb in micro_batches]
+    counts = torch.tensor([sum(int((s["labels"] != IGNORE_INDEX).sum()) for s in shards),
+                           sum(s["input_ids"].numel() for s in shards)], dtype=torch.float64, device=device)
+    dist.all_reduce(counts)  # over all dp x cp ranks: each rank counted its own chunks
+    global_tokens = int(counts[0])
+    denom = max(global_tokens, 1)  # a fully masked global batch has loss 0 and zero gradients
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    for shard in shards:
+        local_sum, _ = engine(**shard)
+        engine.backward(local_sum * (scale / denom), scale_wrt_gas=False)
+        engine.step()
+        loss_sum += local_sum.detach().double()
+    dist.all_reduce(loss_sum)
+    grad_norm = engine.get_global_grad_norm()
+    return StepResult(loss=float(loss_sum) / denom, grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+                      tokens=global_tokens, input_tokens=int(counts[1]))

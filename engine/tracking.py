@@ -1,0 +1,54 @@
+"""Where step metrics go: metrics.jsonl (DESIGN 3.3), a rank-0 progress bar, and W&B.
+
+Only rank 0 writes. W&B runs in `disabled` or `offline` mode unless the user asks for `online`, and
+never prompts for a login: `online` without credentials is an error at start-up, not a prompt.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+class Tracker:
+    def __init__(self, out_dir: Path, cfg, is_main: bool, total_steps: int, start_step: int, config_dict: dict):
+        self.is_main = is_main
+        self.path = out_dir / "metrics.jsonl"
+        self.bar = None
+        self.wandb_run = None
+        if not is_main:
+            return
+        if cfg.progress_bar:
+            from tqdm import tqdm
+            self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
+        self.wandb_run = _start_wandb(cfg.wandb, config_dict, out_dir)
+        self.log_every = max(1, cfg.log_every)
+
+    def log(self, record: dict) -> None:
+        if not self.is_main:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_sec_per_gpu']:.0f}")
+        if self.wandb_run is not None and record["step"] % self.log_every == 0:
+            self.wandb_run.log({k: v for k, v in record.items() if v is not None}, step=record["step"])
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+
+
+def _start_wandb(wcfg, config_dict: dict, out_dir: Path):
+    if wcfg.mode == "disabled":
+        return None
+    if wcfg.mode == "online" and not os.environ.get("WANDB_API_KEY"):
+        raise RuntimeError("logging.wandb.mode=online needs WANDB_API_KEY in the environment (no login "
+                           "prompt is shown); use logging.wandb.mode=offline and `wandb sync` later")
+    import wandb
+    return wandb.init(project=wcfg.project, entity=wcfg.entity, name=wcfg.name, mode=wcfg.mode,
+                      dir=str(wcfg.dir or out_dir), config=config_dict,
+                      settings=wandb.Settings(silent=True))

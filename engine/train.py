@@ -1,0 +1,131 @@
+"""train(cfg, plan, rt): the training run, top to bottom.
+
+    topology -> data -> model + DeepSpeed engine -> resume -> loop(step, log, gc, save) -> save, export, plot
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from configs import Plan, TrainConfig
+from ds_ulysses_ext import init_topology
+
+from . import checkpoint
+from .build import build
+from .data import GlobalBatchSampler, build_dataset, collate, pad_id_of
+from .distributed import Runtime
+from .flops import count_params, detect_peak_tflops, step_flops
+from .hf_config import hf_config_of
+from .plot import plot_loss
+from .step import train_step
+from .tracking import Tracker
+
+log = logging.getLogger(__name__)
+
+
+def train(cfg: TrainConfig, plan: Plan, rt: Runtime) -> dict:
+    out_dir = Path(cfg.run.out_dir)
+    topo = init_topology(plan.cp, plan.ep)
+
+    # --- data: a step's samples depend only on (seed, data, global batch), never on the layout
+    hf_config = hf_config_of(cfg.model)
+    dataset, stats, tokenizer = build_dataset(cfg.data, seed=cfg.run.seed, vocab_size=hf_config.vocab_size)
+    sampler = GlobalBatchSampler(len(dataset), plan.global_batch_size, cfg.run.seed)
+    pad_id = pad_id_of(tokenizer)
+    if rt.is_main:
+        log.info("data: %s", stats.summary())
+
+    # --- model and engine
+    engine, hf, scale = build(cfg, plan, topo, rt.device)
+    num_params = count_params(hf)
+    peak_tflops = cfg.logging.peak_tflops or detect_peak_tflops(rt.device)
+
+    # --- resume
+    start = 0
+    tag = checkpoint.latest_tag(out_dir) if cfg.trainer.resume else None
+    if tag is not None:
+        start = checkpoint.load(engine, out_dir, tag, rt.rank)
+        if rt.is_main:
+            log.info("resumed from %s at step %d", tag, start)
+
+    tracker = Tracker(out_dir, cfg.logging, rt.is_main, cfg.trainer.max_steps, start,
+                      dataclasses.asdict(cfg))
+    # automatic GC pauses one rank at a random moment and stalls every collective; collect together instead
+    gc.disable()
+    stop = cfg.trainer.max_steps
+    if cfg.trainer.stop_after_steps:
+        stop = min(stop, cfg.trainer.stop_after_steps)
+    step = start
+    try:
+        for step in range(start, stop):
+            micro_batches = [collate([dataset[i] for i in idx], cfg.data.seq_len, pad_id)
+                             for idx in sampler.local_indices(step, topo.dp_rank, plan.dp, plan.micro_batch_size)]
+            lr = engine.get_lr()[0]
+            _sync(rt.device)
+            t0 = time.perf_counter()
+            result = train_step(engine, micro_batches, topo, scale, rt.device, pad_id)
+            _sync(rt.device)
+            dt = time.perf_counter() - t0
+            record = _metrics(step + 1, result, lr, dt, rt, plan, num_params, hf_config, peak_tflops)
+            tracker.log(record)
+            if cfg.trainer.gc_every and (step + 1) % cfg.trainer.gc_every == 0:
+                gc.collect()
+            if cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0:
+                checkpoint.save(engine, out_dir, step + 1, rt.rank)
+        else:
+            step = stop
+    finally:
+        tracker.close()
+        gc.enable()
+    step = stop
+    if stop < cfg.trainer.max_steps:  # stopped early on purpose (tests of resume): no final save/export
+        return {"stopped_at": step}
+
+    outputs = {"metrics": str(out_dir / "metrics.jsonl")}
+    if cfg.trainer.save_at_end and checkpoint.latest_tag(out_dir) != f"step_{step:08d}":
+        checkpoint.save(engine, out_dir, step, rt.rank)
+    if cfg.trainer.export_hf:
+        outputs["hf_export"] = str(checkpoint.export_hf(engine, hf, out_dir / "hf_export", rt.rank, tokenizer))
+    if rt.is_main and (out_dir / "metrics.jsonl").exists():
+        outputs["loss_plot"] = str(plot_loss(out_dir / "metrics.jsonl", out_dir / "loss.png"))
+    dist.barrier()
+    return outputs
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _metrics(step, result, lr, dt, rt: Runtime, plan: Plan, num_params, hf_config, peak_tflops) -> dict:
+    seq_len = result.input_tokens // plan.global_batch_size
+    flops = step_flops(num_params, hf_config, plan.global_batch_size, seq_len)
+    tflops = flops / dt / rt.world_size / 1e12
+    mfu = tflops / peak_tflops if peak_tflops else None
+    if mfu is not None and mfu > 1.0:
+        raise RuntimeError(f"measured MFU {mfu:.0%} exceeds 100%: the token count or context parallelism is "
+                           f"broken (FLOPs per step {flops:.3e} for {result.input_tokens} tokens in {dt:.3f} s)")
+    peak, reserved = _memory(rt.device)
+    return {"step": step, "loss": result.loss, "grad_norm": result.grad_norm, "lr": lr, "tokens": result.tokens,
+            "input_tokens": result.input_tokens, "step_time_s": dt,
+            "tokens_per_sec_per_gpu": result.input_tokens / dt / rt.world_size,
+            "tflops_per_gpu": tflops, "mfu": mfu, "peak_mem_gib": peak, "peak_reserved_gib": reserved}
+
+
+def _memory(device: torch.device) -> tuple[float, float]:
+    if device.type != "cuda":
+        return 0.0, 0.0
+    return torch.cuda.max_memory_allocated(device) / 2**30, torch.cuda.max_memory_reserved(device) / 2**30
+
+
+def write_resolved_config(cfg: TrainConfig, plan: Plan, out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.json").write_text(json.dumps({"config": dataclasses.asdict(cfg),
+                                                     "plan": dataclasses.asdict(plan)}, indent=2))
