@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from configs import register_configs, to_dataclass, validate  # noqa: E402
+from configs import TrainConfig, register_configs, to_dataclass, validate  # noqa: E402
 
 register_configs()
 # DeepSpeed 0.19 still calls the collectives torch 2.13 renamed; the warning is theirs, not actionable here
@@ -32,7 +32,11 @@ warnings.filterwarnings("ignore", message=r".*(all_gather_into_tensor|reduce_sca
 
 @hydra.main(version_base="1.3", config_path="../hydra_conf", config_name="train")
 def main(dict_cfg: DictConfig) -> None:
-    cfg = to_dataclass(dict_cfg)  # from here on: typed dataclasses only
+    run(to_dataclass(dict_cfg))  # from here on: typed dataclasses only
+
+
+def run(cfg: TrainConfig) -> dict:
+    """Everything after composition; tests call this with a composed config on forked ranks."""
     from engine.distributed import init_distributed, read_runtime
     rt = read_runtime(cfg.device)
     plan = validate(cfg, rt.world_size)  # every cross-field check, before any model is loaded
@@ -47,6 +51,7 @@ def main(dict_cfg: DictConfig) -> None:
     outputs = train(cfg, plan, rt)
     if rt.is_main:
         print("\n".join(f"{k}: {v}" for k, v in outputs.items()), flush=True)
+    return outputs
 
 
 if __name__ == "__main__":

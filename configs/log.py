@@ -1,0 +1,26 @@
+"""LoggingConfig and WandbConfig: what a run reports and where.
+
+(Named log.py, not logging.py, so it can never shadow the standard library module.)
+"""
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+WANDB_MODES = ("disabled", "offline", "online")
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "disabled"  # disabled | offline | online; never prompts for a login (online needs WANDB_API_KEY)
+    project: str = "ds_ulysses_ext"
+    entity: Optional[str] = None  # team or user; None = the API key's default entity
+    name: Optional[str] = None  # run name; None = W&B picks one (the presets set ${run.name})
+    dir: Optional[str] = None  # where W&B writes; None = its default ./wandb (the presets set ${run.out_dir})
+
+
+@dataclass
+class LoggingConfig:
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    progress_bar: bool = True  # tqdm bar on rank 0
+    log_every: int = 1  # console/W&B every N steps (metrics.jsonl always gets every step)
+    peak_tflops: float = 0.0  # per-GPU bf16 dense peak used for MFU; 0 = detect from the GPU name

@@ -1,0 +1,21 @@
+"""MemoryConfig: which activation-memory policies to apply (recompute, offload, tiling)."""
+
+from dataclasses import dataclass
+
+RECOMPUTE_POLICIES = ("none", "full", "block", "selective", "budget")
+RECOMPUTE_METHODS = ("uniform", "block")
+
+
+@dataclass
+class MemoryConfig:
+    # none: keep all activations; full: recompute every decoder layer; block: recompute only
+    # recompute_num_layers layers; selective: keep matmul and all-to-all outputs, recompute the cheap ops;
+    # budget: recompute as little as fits the peak in budget_gib.
+    recompute: str = "none"
+    recompute_num_layers: int = 0  # recompute=block: how many decoder layers are recomputed
+    recompute_method: str = "uniform"  # recompute=block: uniform = spread over depth; block = the first N layers
+    budget_gib: float = 0.0  # recompute=budget: target peak GPU memory in GiB
+    offload_activations: bool = False  # saved activations go to pinned host memory during forward
+    tiled_mlp: bool = False  # run the MLP over sequence tiles so its intermediate never exists whole
+    mlp_tile_tokens: int = 8192  # tiled_mlp: tokens per tile
+    expandable_segments: bool = True  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; less fragmentation

@@ -1,0 +1,28 @@
+"""TrainConfig: the root of the typed config tree. After the entry point, code sees only this."""
+
+from dataclasses import dataclass, field
+
+from configs.data import DataConfig
+from configs.log import LoggingConfig
+from configs.memory import MemoryConfig
+from configs.model import ModelConfig
+from configs.parallel import DeepSpeedConfig, ParallelismConfig
+from configs.run import RunConfig
+from configs.trainer import TrainerConfig
+
+PRECISIONS = ("fp32", "bf16")
+DEVICES = ("auto", "cuda", "cpu")
+
+
+@dataclass
+class TrainConfig:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    precision: str = "bf16"  # fp32 | bf16 (DeepSpeed's bf16 mode); fp16 is refused (no loss scaling here)
+    device: str = "auto"  # auto = cuda when available, else cpu (gloo)

@@ -1,0 +1,29 @@
+"""TrainerConfig: the optimisation loop (steps, batch, optimizer, schedule, checkpoints)."""
+
+from dataclasses import dataclass
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 10  # optimizer steps in the whole run (a resumed run continues up to this)
+    # Samples per optimizer step, over all ranks. Gradient accumulation is derived:
+    # global_batch_size // (micro_batch_size * dp), and must come out whole.
+    global_batch_size: int = 4
+    micro_batch_size: int = 1  # samples per forward/backward on one dp rank (one cp group)
+    lr: float = 1e-3  # peak learning rate (AdamW)
+    min_lr_ratio: float = 0.1  # after warmup the lr decays to lr * min_lr_ratio at max_steps
+    warmup_steps: int = 2  # linear warmup steps, counted in max_steps
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+    # Python GC every N steps on all ranks together: a collection that lands on one rank alone stalls the
+    # collectives of all the others. 0 = never collect manually.
+    gc_every: int = 50
+    save_every: int = 0  # checkpoint every N steps; 0 = only at the end (if save_at_end)
+    save_at_end: bool = True
+    resume: bool = True  # resume from out_dir's latest checkpoint if there is one
+    stop_after_steps: int = 0  # debug/tests: exit after N steps as if interrupted (to test resume); 0 = off
+    export_hf: bool = True  # at the end, write an HF `save_pretrained` folder of the trained model
+    loss_chunk_size: int = 4096  # tokens per chunk of the chunked logits + loss (full-vocab logits never exist)

@@ -1,0 +1,308 @@
+"""validate(cfg, world_size) -> Plan: every cross-field rule, checked before any model is loaded.
+
+Each refusal is a ConfigError whose message names the field(s) and the fix, in override syntax where it
+can (`parallelism.cp=2`), so the user can paste it. Rules about the model's shape read `model.arch`; with
+model.source=pretrained a key the preset does not repeat is unknown here and is checked at model load.
+The config is never mutated: derived values (dp, grad_accum) are returned in the Plan.
+"""
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Sequence
+
+from configs.data import BAD_LINE_POLICIES, DATA_FORMATS, DATA_SOURCES, OVERLONG_POLICIES, DataConfig
+from configs.errors import ConfigError
+from configs.log import WANDB_MODES
+from configs.memory import RECOMPUTE_METHODS, RECOMPUTE_POLICIES, MemoryConfig
+from configs.model import ATTN_BACKENDS, MODEL_SOURCES, MOE_FAMILIES, SUPPORTED_FAMILIES, ModelConfig
+from configs.train import DEVICES, PRECISIONS, TrainConfig
+from configs.trainer import TrainerConfig
+
+ZERO_STAGES = (2, 3)  # the stages whose gradient reduction over cp is verified exact (DESIGN 3.1)
+LATENT_ALIGN = 512  # a LatentMoE latent size must be a multiple of this
+_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")  # qwen3_moe / gpt_oss, mixtral / deepseek
+_LATENT_KEYS = ("latent_size", "moe_latent_size")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The layout a valid config runs with. dp and grad_accum are derived, never stored in the config."""
+
+    world_size: int
+    cp: int  # ranks that share one sequence
+    dp: int  # world_size // cp: replicas that see different samples
+    ep: int  # ranks that share the experts of one MoE layer
+    grad_accum: int  # micro-batches per optimizer step on each dp rank
+    micro_batch_size: int
+    global_batch_size: int  # samples per optimizer step = micro_batch_size * dp * grad_accum
+    seq_len: int  # global sequence length, before the cp split
+    zero_stage: int
+    precision: str
+
+
+def validate(cfg: TrainConfig, world_size: int) -> Plan:
+    """Refuse any config that cannot run exactly on `world_size` ranks; return the derived Plan."""
+    _check_choices(cfg)
+    _check_model(cfg.model)
+    _check_data(cfg.data)
+    _check_trainer(cfg.trainer)
+    _check_memory(cfg.memory, cfg.model.arch)
+    _check_deepspeed(cfg)
+    dp = _check_parallelism(cfg, world_size)
+    grad_accum = _check_batch(cfg.trainer, dp)
+    return Plan(
+        world_size=world_size,
+        cp=cfg.parallelism.cp,
+        dp=dp,
+        ep=cfg.parallelism.ep,
+        grad_accum=grad_accum,
+        micro_batch_size=cfg.trainer.micro_batch_size,
+        global_batch_size=cfg.trainer.global_batch_size,
+        seq_len=cfg.data.seq_len,
+        zero_stage=cfg.deepspeed.zero_stage,
+        precision=cfg.precision,
+    )
+
+
+# --- helpers -------------------------------------------------------------------------------------------
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _fmt(values: Iterable[Any]) -> str:
+    return "{" + ", ".join(str(v) for v in values) + "}"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _one_of(field: str, value: Any, choices: Sequence[Any], hint: str = "") -> None:
+    _require(value in choices, f"{field}={value} is not one of {_fmt(choices)}; set {field} to one of them{hint}")
+
+
+# --- rules, one noun at a time -------------------------------------------------------------------------
+
+
+def _check_choices(cfg: TrainConfig) -> None:
+    """Every enum-like string field holds one of its known values."""
+    _require(
+        cfg.precision != "fp16",
+        "precision=fp16 is not supported (it needs loss scaling, which this engine does not do); "
+        "use precision=bf16 on GPU or precision=fp32",
+    )
+    _one_of("precision", cfg.precision, PRECISIONS)
+    _one_of("device", cfg.device, DEVICES)
+    families = ", ".join(SUPPORTED_FAMILIES)
+    _require(
+        cfg.model.family in SUPPORTED_FAMILIES,
+        f"model.family={cfg.model.family} is not supported under cp; supported families: {families}; "
+        "pick a model preset of one of them (e.g. model=tiny) or set model.family",
+    )
+    _one_of("model.source", cfg.model.source, MODEL_SOURCES)
+    _one_of("model.attn_backend", cfg.model.attn_backend, ATTN_BACKENDS)
+    _one_of("data.source", cfg.data.source, DATA_SOURCES, " (presets: data=synthetic, data=demo, data=jsonl)")
+    _one_of("data.format", cfg.data.format, DATA_FORMATS)
+    _one_of("data.overlong", cfg.data.overlong, OVERLONG_POLICIES)
+    _one_of("data.on_bad_line", cfg.data.on_bad_line, BAD_LINE_POLICIES)
+    _one_of("memory.recompute", cfg.memory.recompute, RECOMPUTE_POLICIES)
+    _one_of("memory.recompute_method", cfg.memory.recompute_method, RECOMPUTE_METHODS)
+    _one_of("logging.wandb.mode", cfg.logging.wandb.mode, WANDB_MODES)
+    _require(cfg.logging.log_every >= 1, f"logging.log_every={cfg.logging.log_every} must be >= 1")
+
+
+def _check_model(model: ModelConfig) -> None:
+    _require(
+        model.source != "pretrained" or bool(model.path),
+        "model.source=pretrained needs model.path; set model.path=<local dir or hub id>, "
+        "or use model.source=config for a random init",
+    )
+    # An empty arch would silently build the HF default config (a 7B Llama for family=llama).
+    _require(
+        model.source != "config" or bool(model.arch),
+        "model.source=config needs model.arch (the HF config kwargs of the random-init model); "
+        "use a preset such as model=tiny, or set model.arch.hidden_size=... etc.",
+    )
+    for key in _LATENT_KEYS:
+        if key in model.arch:
+            _check_latent_size(key, model.arch[key])
+
+
+def _check_latent_size(key: str, size: int) -> None:
+    if size > 0 and size % LATENT_ALIGN == 0:
+        return
+    lower = size // LATENT_ALIGN * LATENT_ALIGN
+    nearest = [n for n in (lower, lower + LATENT_ALIGN) if n > 0]
+    raise ConfigError(
+        f"model.arch.{key}={size} is not a multiple of {LATENT_ALIGN}, which LatentMoE requires; "
+        f"use model.arch.{key}={' or '.join(str(n) for n in nearest)}"
+    )
+
+
+def _check_data(data: DataConfig) -> None:
+    if data.source == "jsonl":
+        _require(bool(data.path), "data.source=jsonl needs data.path; set data.path=<.jsonl file or folder>")
+        _require(
+            bool(data.tokenizer_path),
+            "data.source=jsonl needs data.tokenizer_path; set data.tokenizer_path=<local dir or hub id>",
+        )
+    _require(
+        data.padding_side == "right",
+        f"data.padding_side={data.padding_side}: left padding is not supported under cp: the boundary-token "
+        "label shift assumes right padding; set data.padding_side=right",
+    )
+    _require(data.seq_len >= 1, f"data.seq_len={data.seq_len} must be >= 1")
+    _require(
+        0.0 <= data.masked_fraction < 1.0,
+        f"data.masked_fraction={data.masked_fraction} must be in [0, 1) (1 would leave no token to train on); "
+        "set e.g. data.masked_fraction=0.25",
+    )
+    _require(data.num_samples >= 1, f"data.num_samples={data.num_samples} must be >= 1")
+
+
+def _check_trainer(t: TrainerConfig) -> None:
+    _require(t.max_steps >= 1, f"trainer.max_steps={t.max_steps} must be >= 1")
+    _require(
+        0 <= t.warmup_steps <= t.max_steps,
+        f"trainer.warmup_steps={t.warmup_steps} must be in [0, trainer.max_steps={t.max_steps}]; "
+        "lower trainer.warmup_steps or raise trainer.max_steps",
+    )
+    _require(
+        t.stop_after_steps == 0 or 0 < t.stop_after_steps < t.max_steps,
+        f"trainer.stop_after_steps={t.stop_after_steps} must be 0 (off) or less than "
+        f"trainer.max_steps={t.max_steps}; set trainer.stop_after_steps=0 or below {t.max_steps}",
+    )
+    _require(t.micro_batch_size >= 1, f"trainer.micro_batch_size={t.micro_batch_size} must be >= 1")
+    _require(t.global_batch_size >= 1, f"trainer.global_batch_size={t.global_batch_size} must be >= 1")
+    _require(t.lr > 0, f"trainer.lr={t.lr} must be > 0")
+    _require(0.0 <= t.min_lr_ratio <= 1.0, f"trainer.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
+    _require(t.grad_clip >= 0, f"trainer.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping)")
+    _require(t.gc_every >= 0, f"trainer.gc_every={t.gc_every} must be >= 0 (0 = never collect manually)")
+    _require(t.save_every >= 0, f"trainer.save_every={t.save_every} must be >= 0 (0 = only at the end)")
+    _require(t.loss_chunk_size >= 1, f"trainer.loss_chunk_size={t.loss_chunk_size} must be >= 1")
+
+
+def _check_memory(mem: MemoryConfig, arch: Mapping[str, Any]) -> None:
+    if mem.recompute == "block":
+        num_layers = arch.get("num_hidden_layers")
+        upper = f" and <= model.arch.num_hidden_layers={num_layers}" if num_layers else ""
+        ok = mem.recompute_num_layers >= 1 and (not num_layers or mem.recompute_num_layers <= num_layers)
+        _require(
+            ok,
+            f"memory.recompute=block needs memory.recompute_num_layers >= 1{upper}, got "
+            f"{mem.recompute_num_layers}; set memory.recompute_num_layers (or use memory=full_recompute)",
+        )
+    _require(
+        mem.recompute != "budget" or mem.budget_gib > 0,
+        f"memory.recompute=budget needs memory.budget_gib > 0, got {mem.budget_gib}; "
+        "set memory.budget_gib=<target peak GiB>",
+    )
+    _require(
+        not mem.tiled_mlp or mem.mlp_tile_tokens >= 1,
+        f"memory.tiled_mlp=true needs memory.mlp_tile_tokens >= 1, got {mem.mlp_tile_tokens}",
+    )
+
+
+def _check_deepspeed(cfg: TrainConfig) -> None:
+    stage = cfg.deepspeed.zero_stage
+    _require(
+        stage in ZERO_STAGES,
+        f"deepspeed.zero_stage={stage} is not supported: exactness under cp is verified for ZeRO-2 and "
+        "ZeRO-3 only; use deepspeed=zero2 or deepspeed=zero3",
+    )
+    _require(
+        not cfg.deepspeed.offload_param or stage == 3,
+        f"deepspeed.offload_param=true needs deepspeed.zero_stage=3 (got {stage}: only ZeRO-3 partitions "
+        "parameters); use deepspeed=zero3_offload or set deepspeed.offload_param=false",
+    )
+
+
+def _check_parallelism(cfg: TrainConfig, world_size: int) -> int:
+    """Check cp/ep/tp against the world and the model shape; return dp."""
+    par = cfg.parallelism
+    _require(world_size >= 1, f"world_size={world_size} must be >= 1 (the number of ranks, WORLD_SIZE)")
+    _require(par.cp >= 1, f"parallelism.cp={par.cp} must be >= 1; use parallelism.cp=1 to turn cp off")
+    _require(par.ep >= 1, f"parallelism.ep={par.ep} must be >= 1; use parallelism.ep=1 to turn ep off")
+    _require(
+        par.tp <= 1 or par.cp == 1,
+        f"TP+CP is not supported: parallelism.tp={par.tp} with parallelism.cp={par.cp}; "
+        "set parallelism.tp=1 and split long sequences with parallelism.cp",
+    )
+    _require(
+        par.tp == 1,
+        f"parallelism.tp={par.tp}: tensor parallelism is not supported yet; set parallelism.tp=1 "
+        "(use parallelism.cp to split long sequences, ZeRO-3 to shard the weights)",
+    )
+    _require(
+        world_size % par.cp == 0,
+        f"parallelism.cp={par.cp} does not divide the world size {world_size}; "
+        f"choose parallelism.cp in {_fmt(_divisors(world_size))}",
+    )
+    # seq_len need not divide by cp (the batch is padded up to a multiple of cp), but every rank needs a token.
+    _require(
+        cfg.data.seq_len >= par.cp,
+        f"data.seq_len={cfg.data.seq_len} is shorter than parallelism.cp={par.cp}; "
+        f"raise data.seq_len to at least {par.cp} or lower parallelism.cp",
+    )
+    _check_heads(cfg.model.arch, par.cp, world_size)
+    _check_experts(cfg.model, par.ep, world_size)
+    return world_size // par.cp
+
+
+def _heads_split(num_q: int, num_kv: int, cp: int) -> bool:
+    # Ulysses gives each cp rank num_q / cp query heads; kv heads are split too, or replicated when cp > num_kv.
+    return num_q % cp == 0 and (num_kv % cp == 0 or cp % num_kv == 0)
+
+
+def _check_heads(arch: Mapping[str, Any], cp: int, world_size: int) -> None:
+    num_q = arch.get("num_attention_heads")
+    if num_q is None:
+        return  # a pretrained preset without head counts: enable_context_parallel checks at model load
+    num_kv = arch.get("num_key_value_heads", num_q)  # HF's default: one kv head per query head
+    if _heads_split(num_q, num_kv, cp):
+        return
+    valid = [c for c in _divisors(world_size) if _heads_split(num_q, num_kv, c)]
+    raise ConfigError(
+        f"parallelism.cp={cp} cannot split the heads of model.arch.num_attention_heads={num_q}, "
+        f"model.arch.num_key_value_heads={num_kv}: Ulysses needs num_attention_heads % cp == 0 and "
+        f"num_key_value_heads % cp == 0 or cp % num_key_value_heads == 0; "
+        f"choose parallelism.cp in {_fmt(valid)} (world size {world_size})"
+    )
+
+
+def _check_experts(model: ModelConfig, ep: int, world_size: int) -> None:
+    _require(
+        world_size % ep == 0,
+        f"parallelism.ep={ep} does not divide the world size {world_size}; "
+        f"choose parallelism.ep in {_fmt(_divisors(world_size))}",
+    )
+    key = next((k for k in _EXPERT_KEYS if k in model.arch), None)
+    if key is None:
+        _require(
+            ep == 1 or model.family in MOE_FAMILIES,
+            f"parallelism.ep={ep} but model.family={model.family} has no experts; set parallelism.ep=1",
+        )
+        return  # an MoE preset without an expert count: checked at model load
+    num_experts = model.arch[key]
+    valid = [e for e in _divisors(num_experts) if world_size % e == 0]
+    _require(
+        num_experts % ep == 0,
+        f"parallelism.ep={ep} does not divide model.arch.{key}={num_experts}; "
+        f"choose parallelism.ep in {_fmt(valid)} (world size {world_size})",
+    )
+
+
+def _check_batch(t: TrainerConfig, dp: int) -> int:
+    """Return grad_accum = global / (micro * dp), refusing a global batch that does not split evenly."""
+    per_pass = t.micro_batch_size * dp  # samples in one micro-step over all dp ranks
+    if t.global_batch_size % per_pass:
+        lower = t.global_batch_size // per_pass * per_pass
+        nearby = " or ".join(str(n) for n in (lower, lower + per_pass) if n > 0)
+        raise ConfigError(
+            f"trainer.global_batch_size={t.global_batch_size} is not a multiple of "
+            f"trainer.micro_batch_size * dp = {t.micro_batch_size} * {dp} = {per_pass}; "
+            f"use trainer.global_batch_size={nearby} (or change trainer.micro_batch_size or parallelism.cp)"
+        )
+    return t.global_batch_size // per_pass

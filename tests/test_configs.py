@@ -1,0 +1,368 @@
+"""The config layer: every preset composes and validates, and every refusal names the field and the fix.
+
+Compose a config the way the entry point would, without a command line:
+    cfg = compose_config(["experiment=cpu_cp4", "data.seq_len=1024"])   # -> TrainConfig
+    plan = validate(cfg, world_size=4)                                  # -> Plan, or ConfigError
+"""
+
+import re
+from pathlib import Path
+
+import pytest
+from hydra.errors import ConfigCompositionException
+
+from configs import (
+    HYDRA_CONF_DIR,
+    ConfigError,
+    Plan,
+    TrainConfig,
+    compose_config,
+    register_configs,
+    to_dataclass,
+    validate,
+)
+
+EXPERIMENTS = sorted((HYDRA_CONF_DIR / "experiment").glob("*.yaml"))
+GROUP_PRESETS = sorted(
+    (p.parent.name, p.stem) for p in HYDRA_CONF_DIR.glob("*/*.yaml") if p.parent.name != "experiment"
+)
+
+
+def _declared_world_size(path: Path) -> int:
+    match = re.search(r"^# world_size: (\d+)$", path.read_text(), re.MULTILINE)
+    assert match, f"{path.name} needs a '# world_size: N' header line"
+    return int(match.group(1))
+
+
+# --- presets compose and validate ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", EXPERIMENTS, ids=lambda p: p.stem)
+def test_experiment_composes_and_validates(path):
+    cfg = compose_config([f"experiment={path.stem}"])
+    assert isinstance(cfg, TrainConfig)
+    plan = validate(cfg, world_size=_declared_world_size(path))
+    assert plan.cp * plan.dp == plan.world_size
+    assert plan.micro_batch_size * plan.dp * plan.grad_accum == plan.global_batch_size
+
+
+def test_the_briefed_experiments_exist():
+    names = {p.stem for p in EXPERIMENTS}
+    assert {
+        "cpu_demo",
+        "cpu_cp4",
+        "llama1b_1gpu_128k",
+        "llama1b_1gpu_1m",
+        "llama8b_8gpu_cp8_256k",
+        "qwen3_8b_4gpu_cp4_64k",
+    } <= names
+
+
+@pytest.mark.parametrize("group, name", GROUP_PRESETS, ids=lambda x: str(x))
+def test_group_preset_composes_and_validates(group, name):
+    overrides = [f"{group}={name}", "trainer.global_batch_size=8"]  # 8 ranks: every cp preset divides 8
+    if (group, name) == ("data", "jsonl"):  # the user must give its paths
+        overrides += ["data.path=train.jsonl", "data.tokenizer_path=tok"]
+    validate(compose_config(overrides), world_size=8)
+
+
+def test_default_is_the_two_rank_cpu_demo():
+    cfg = compose_config([])
+    assert (cfg.model.name, cfg.data.source, cfg.precision) == ("tiny", "demo", "fp32")
+    assert validate(cfg, world_size=2) == Plan(
+        world_size=2,
+        cp=2,
+        dp=1,
+        ep=1,
+        grad_accum=4,
+        micro_batch_size=1,
+        global_batch_size=4,
+        seq_len=256,
+        zero_stage=3,
+        precision="fp32",
+    )
+
+
+# --- derived values ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "world_size, cp, global_batch, micro, dp, grad_accum",
+    [
+        (4, 2, 8, 1, 2, 4),
+        (8, 4, 16, 2, 2, 4),
+        (8, 1, 8, 1, 8, 1),
+        (8, 8, 3, 1, 1, 3),
+        (1, 1, 6, 2, 1, 3),
+    ],
+)
+def test_plan_arithmetic(world_size, cp, global_batch, micro, dp, grad_accum):
+    overrides = [f"parallelism.cp={cp}", f"trainer.global_batch_size={global_batch}"]
+    cfg = compose_config(overrides + [f"trainer.micro_batch_size={micro}"])
+    plan = validate(cfg, world_size=world_size)
+    assert (plan.cp, plan.dp, plan.grad_accum) == (cp, dp, grad_accum)
+
+
+def test_hydra_overrides_reach_the_dataclass():
+    cfg = compose_config(["parallelism.cp=4", "data.seq_len=1000", "trainer.global_batch_size=8"])
+    assert (cfg.parallelism.cp, cfg.data.seq_len, cfg.trainer.global_batch_size) == (4, 1000, 8)
+    plan = validate(cfg, world_size=8)
+    assert (plan.dp, plan.grad_accum, plan.seq_len) == (2, 4, 1000)
+
+
+def test_seq_len_not_divisible_by_cp_is_allowed():
+    # It gets right-padded up to a multiple of cp by the batch sharding; nothing to refuse here.
+    plan = validate(compose_config(["parallelism.cp=4", "data.seq_len=1001"]), world_size=4)
+    assert plan.seq_len == 1001
+
+
+def test_group_choice_and_experiment_compose_with_key_overrides():
+    cfg = compose_config(["experiment=cpu_cp4", "memory=long_context", "run.seed=7"])
+    assert (cfg.parallelism.cp, cfg.memory.recompute, cfg.memory.tiled_mlp, cfg.run.seed) == (4, "full", True, 7)
+    assert cfg.run.out_dir == "outputs/cpu_cp4"  # ${run.name} interpolation resolved
+
+
+def test_to_dataclass_fills_schema_defaults():
+    cfg = to_dataclass({"parallelism": {"cp": 2}})
+    assert cfg.parallelism.cp == 2
+    assert cfg.trainer == TrainConfig().trainer
+
+
+def test_register_configs_is_idempotent():
+    register_configs()
+    register_configs()
+    assert compose_config([]).parallelism.cp == 2
+
+
+# --- refused at compose time by the schema, or by a preset ----------------------------------------------------
+
+
+def test_misspelt_key_is_refused():
+    with pytest.raises(ConfigCompositionException, match="max_step"):
+        compose_config(["trainer.max_step=5"])
+
+
+def test_wrong_type_is_refused():
+    with pytest.raises(ConfigCompositionException, match="max_steps"):
+        compose_config(["trainer.max_steps=ten"])
+
+
+def test_jsonl_preset_without_paths_is_refused():
+    cfg = compose_config(["data=jsonl"])
+    with pytest.raises(ConfigError, match=r"data\.source=jsonl needs data\.path; set data\.path="):
+        validate(cfg, world_size=2)
+
+
+# --- refused by validate: one case per rule -----------------------------------------------------------------
+# (id, overrides on top of the default demo config, world size, regex: the field and the fix)
+
+REFUSALS = [
+    ("world_size", [], 0, r"world_size=0 must be >= 1"),
+    ("cp_below_1", ["parallelism.cp=0"], 2, r"parallelism\.cp=0 must be >= 1; use parallelism\.cp=1"),
+    (
+        "cp_not_dividing_world",
+        ["parallelism.cp=3"],
+        4,
+        r"parallelism\.cp=3 does not divide the world size 4; choose parallelism\.cp in \{1, 2, 4\}",
+    ),
+    (
+        "tp_with_cp",
+        ["parallelism.tp=2"],
+        2,
+        r"TP\+CP is not supported: parallelism\.tp=2 with parallelism\.cp=2; set parallelism\.tp=1",
+    ),
+    (
+        "tp_alone",
+        ["parallelism.tp=2", "parallelism.cp=1"],
+        2,
+        r"parallelism\.tp=2: tensor parallelism is not supported yet; set parallelism\.tp=1",
+    ),
+    ("ep_below_1", ["parallelism.ep=0"], 2, r"parallelism\.ep=0 must be >= 1; use parallelism\.ep=1"),
+    (
+        "ep_not_dividing_world",
+        ["parallelism.cp=1", "parallelism.ep=3"],
+        4,
+        r"parallelism\.ep=3 does not divide the world size 4; choose parallelism\.ep in \{1, 2, 4\}",
+    ),
+    (
+        "ep_on_dense_model",
+        ["parallelism.ep=2"],
+        2,
+        r"parallelism\.ep=2 but model\.family=llama has no experts; set parallelism\.ep=1",
+    ),
+    (
+        "ep_not_dividing_experts",
+        ["model.family=qwen3_moe", "+model.arch.num_experts=6", "parallelism.cp=1", "parallelism.ep=4"],
+        8,
+        r"parallelism\.ep=4 does not divide model\.arch\.num_experts=6; choose parallelism\.ep in \{1, 2\}",
+    ),
+    (
+        "query_heads",
+        ["model.arch.num_attention_heads=12", "model.arch.num_key_value_heads=4", "parallelism.cp=8"],
+        8,
+        r"parallelism\.cp=8 cannot split the heads of model\.arch\.num_attention_heads=12, "
+        r"model\.arch\.num_key_value_heads=4.*choose parallelism\.cp in \{1, 2, 4\}",
+    ),
+    (
+        "kv_heads",
+        ["model.arch.num_attention_heads=24", "model.arch.num_key_value_heads=6", "parallelism.cp=4"],
+        8,
+        r"parallelism\.cp=4 cannot split .*num_key_value_heads=6.*choose parallelism\.cp in \{1, 2\}",
+    ),
+    (
+        "latent_size",
+        ["+model.arch.latent_size=700"],
+        2,
+        r"model\.arch\.latent_size=700 is not a multiple of 512.*use model\.arch\.latent_size=512 or 1024$",
+    ),
+    (
+        "moe_latent_size_below_512",
+        ["+model.arch.moe_latent_size=300"],
+        2,
+        r"model\.arch\.moe_latent_size=300 is not a multiple of 512.*use model\.arch\.moe_latent_size=512$",
+    ),
+    (
+        "global_batch_not_multiple",
+        ["parallelism.cp=1", "trainer.global_batch_size=6"],
+        4,
+        r"trainer\.global_batch_size=6 is not a multiple of trainer\.micro_batch_size \* dp = 1 \* 4 = 4; "
+        r"use trainer\.global_batch_size=4 or 8",
+    ),
+    (
+        "global_batch_below_one_pass",
+        ["parallelism.cp=1", "trainer.global_batch_size=2"],
+        4,
+        r"trainer\.global_batch_size=2 .*use trainer\.global_batch_size=4 ",
+    ),
+    ("fp16", ["precision=fp16"], 2, r"precision=fp16 is not supported .*use precision=bf16 .*precision=fp32"),
+    ("precision", ["precision=fp8"], 2, r"precision=fp8 is not one of \{fp32, bf16\}; set precision"),
+    ("device", ["device=tpu"], 2, r"device=tpu is not one of \{auto, cuda, cpu\}; set device"),
+    ("zero0", ["deepspeed.zero_stage=0"], 2, r"deepspeed\.zero_stage=0 is not supported.*use deepspeed=zero2 or "),
+    ("zero1", ["deepspeed.zero_stage=1"], 2, r"deepspeed\.zero_stage=1 is not supported.*use deepspeed=zero2 or "),
+    (
+        "offload_param_without_zero3",
+        ["deepspeed=zero2", "deepspeed.offload_param=true"],
+        2,
+        r"deepspeed\.offload_param=true needs deepspeed\.zero_stage=3.*use deepspeed=zero3_offload",
+    ),
+    (
+        "left_padding",
+        ["data.padding_side=left"],
+        2,
+        r"data\.padding_side=left: left padding is not supported under cp.*set data\.padding_side=right",
+    ),
+    (
+        "jsonl_without_path",
+        ["data.source=jsonl", "data.tokenizer_path=tok"],
+        2,
+        r"data\.source=jsonl needs data\.path; set data\.path=",
+    ),
+    (
+        "jsonl_without_tokenizer",
+        ["data.source=jsonl", "data.path=train.jsonl"],
+        2,
+        r"data\.source=jsonl needs data\.tokenizer_path; set data\.tokenizer_path=",
+    ),
+    ("data_source", ["data.source=hf"], 2, r"data\.source=hf is not one of \{synthetic, jsonl, demo\}; set data\."),
+    ("data_format", ["data.format=parquet"], 2, r"data\.format=parquet is not one of \{text, chat\}; set data\."),
+    ("overlong", ["data.overlong=wrap"], 2, r"data\.overlong=wrap is not one of \{truncate, drop\}; set data\."),
+    ("on_bad_line", ["data.on_bad_line=warn"], 2, r"data\.on_bad_line=warn is not one of \{skip, fail\}"),
+    ("seq_len", ["data.seq_len=0"], 2, r"data\.seq_len=0 must be >= 1"),
+    (
+        "seq_len_below_cp",
+        ["parallelism.cp=4", "data.seq_len=3"],
+        4,
+        r"data\.seq_len=3 is shorter than parallelism\.cp=4; raise data\.seq_len to at least 4",
+    ),
+    ("masked_fraction", ["data.masked_fraction=1.0"], 2, r"data\.masked_fraction=1\.0 must be in \[0, 1\)"),
+    ("num_samples", ["data.num_samples=0"], 2, r"data\.num_samples=0 must be >= 1"),
+    (
+        "recompute",
+        ["memory.recompute=some"],
+        2,
+        r"memory\.recompute=some is not one of \{none, full, block, selective, budget\}; set memory\.recompute",
+    ),
+    ("recompute_method", ["memory.recompute_method=random"], 2, r"memory\.recompute_method=random is not one of"),
+    (
+        "block_recompute_zero_layers",
+        ["memory=block_recompute", "memory.recompute_num_layers=0"],
+        2,
+        r"memory\.recompute=block needs memory\.recompute_num_layers >= 1 and <= "
+        r"model\.arch\.num_hidden_layers=4, got 0; set memory\.recompute_num_layers",
+    ),
+    (
+        "block_recompute_too_many_layers",
+        ["memory=block_recompute", "memory.recompute_num_layers=5"],
+        2,
+        r"memory\.recompute_num_layers >= 1 and <= model\.arch\.num_hidden_layers=4, got 5",
+    ),
+    (
+        "budget_without_target",
+        ["memory=budget", "memory.budget_gib=0"],
+        2,
+        r"memory\.recompute=budget needs memory\.budget_gib > 0, got 0\.0; set memory\.budget_gib=",
+    ),
+    ("mlp_tile_tokens", ["memory=tiled", "memory.mlp_tile_tokens=0"], 2, r"memory\.mlp_tile_tokens >= 1, got 0"),
+    (
+        "wandb_mode",
+        ["logging.wandb.mode=cloud"],
+        2,
+        r"logging\.wandb\.mode=cloud is not one of \{disabled, offline, online\}; set logging\.wandb\.mode",
+    ),
+    ("log_every", ["logging.log_every=0"], 2, r"logging\.log_every=0 must be >= 1"),
+    ("max_steps", ["trainer.max_steps=0"], 2, r"trainer\.max_steps=0 must be >= 1"),
+    (
+        "warmup_longer_than_run",
+        ["trainer.warmup_steps=30"],
+        2,
+        r"trainer\.warmup_steps=30 must be in \[0, trainer\.max_steps=20\]; lower trainer\.warmup_steps",
+    ),
+    (
+        "stop_after_not_before_end",
+        ["trainer.stop_after_steps=20"],
+        2,
+        r"trainer\.stop_after_steps=20 must be 0 \(off\) or less than trainer\.max_steps=20; "
+        r"set trainer\.stop_after_steps=0",
+    ),
+    ("micro_batch", ["trainer.micro_batch_size=0"], 2, r"trainer\.micro_batch_size=0 must be >= 1"),
+    ("global_batch", ["trainer.global_batch_size=0"], 2, r"trainer\.global_batch_size=0 must be >= 1"),
+    ("lr", ["trainer.lr=0"], 2, r"trainer\.lr=0\.0 must be > 0"),
+    ("min_lr_ratio", ["trainer.min_lr_ratio=1.5"], 2, r"trainer\.min_lr_ratio=1\.5 must be in \[0, 1\]"),
+    ("grad_clip", ["trainer.grad_clip=-1"], 2, r"trainer\.grad_clip=-1\.0 must be >= 0 \(0 disables clipping\)"),
+    ("gc_every", ["trainer.gc_every=-1"], 2, r"trainer\.gc_every=-1 must be >= 0"),
+    ("save_every", ["trainer.save_every=-1"], 2, r"trainer\.save_every=-1 must be >= 0"),
+    ("loss_chunk_size", ["trainer.loss_chunk_size=0"], 2, r"trainer\.loss_chunk_size=0 must be >= 1"),
+    (
+        "pretrained_without_path",
+        ["model.source=pretrained"],
+        2,
+        r"model\.source=pretrained needs model\.path; set model\.path=",
+    ),
+    (
+        "unsupported_family",
+        ["model.family=gemma"],
+        2,
+        r"model\.family=gemma is not supported under cp; "
+        r"supported families: llama, qwen2, qwen3, mistral, qwen3_moe, gpt_oss, latent_moe",
+    ),
+    ("model_source", ["model.source=hub"], 2, r"model\.source=hub is not one of \{config, pretrained\}"),
+    ("attn_backend", ["model.attn_backend=xformers"], 2, r"model\.attn_backend=xformers is not one of"),
+]
+
+
+@pytest.mark.parametrize("overrides, world_size, message", [r[1:] for r in REFUSALS], ids=[r[0] for r in REFUSALS])
+def test_refusal_names_field_and_fix(overrides, world_size, message):
+    cfg = compose_config(overrides)
+    with pytest.raises(ConfigError, match=message):
+        validate(cfg, world_size=world_size)
+
+
+def test_random_init_without_arch_is_refused():
+    cfg = compose_config([])
+    cfg.model.arch = {}  # would otherwise build the HF default shape (a 7B Llama)
+    with pytest.raises(ConfigError, match=r"model\.source=config needs model\.arch .*use a preset such as model="):
+        validate(cfg, world_size=2)
+
+
+def test_config_error_is_a_value_error():
+    assert issubclass(ConfigError, ValueError)
