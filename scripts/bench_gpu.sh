@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Single-GPU benchmark session: our engine and the anchors (../anchor-bench, copied to .bench/) side by side.
+#
+#   bash scripts/bench_gpu.sh attn train_short            # parts, in the order given
+#
+# Parts:
+#   attn         ulysses_attention (group of 1) vs the backend directly, bf16 Hq32/Hkv8 D128, 32k + 128k
+#   train_short  Llama-3.2-1B shape, 16k/32k/64k: ours (full recompute, ZeRO-3) and stock HF (anchor 'hf')
+#   train_long   $LONG_POINTS (S:memory, default 128k and 256k with selective_tiled): ours and ALST (anchor 'alst')
+#   train_1m     one 1,048,576-token step of ours (memory=long_context)
+# Needs: .whl/ (DeepSpeed 0.19.8 + hjson, pydantic(-core), annotated-types, typing-inspection, hydra-core,
+# omegaconf, antlr4 wheels) and .bench/anchor-bench; results under $OUT (default outputs/bench).
+set -u
+cd "$(dirname "$0")/.."
+export OUT=${OUT:-$PWD/outputs/bench} PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 DS_ACCELERATOR=cuda
+mkdir -p "$OUT"
+SITE=${BENCH_SITE:-/tmp/site}
+if [ -d .whl ] && [ ! -d "$SITE/deepspeed" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
+fi
+export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
+for part in ${*:-attn train_short train_long}; do
+  echo "=== $part $(date +%T)"
+  case $part in
+    attn) python3 scripts/bench_attention.py --seqs 32768,131072 --reps 10 | tee -a "$OUT/attn.jsonl" ;;
+    train_short) python3 scripts/bench_train.py --points 16384:full_recompute,32768:full_recompute,65536:full_recompute \
+                   --anchors hf --steps 4 ;;
+    train_long) python3 scripts/bench_train.py --points ${LONG_POINTS:-131072:selective_tiled,262144:selective_tiled} \
+                  --anchors alst --steps ${LONG_STEPS:-3} ;;
+    train_1m) python3 scripts/bench_train.py --points 1048576:long_context --steps 1 --timeout 580 ;;
+    *) echo "unknown part $part" ;;
+  esac
+done
