@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Multi-GPU proof on one host (2-8 H200s): exactness on NCCL, scaling, and ALST side by side.
+#
+#   NGPU=2 bash scripts/bench_multigpu.sh exact scale alst
+#
+# Parts:
+#   exact  tiny model fp32 (tight) and Llama-3.2-1B shape bf16, 3 steps at cp=1,2,..,NGPU: loss and grad_norm
+#          per step must agree across layouts (fp32 rel 1e-5; bf16 rel 2e-2) -> $OUT/exact_*.json
+#   scale  $MODEL (default Llama-3.1-8B shape, random init), ZeRO-3, bf16, cp=NGPU, S in $SEQS
+#   alst   DeepSpeed ALST sp=NGPU (../anchor-bench/alst_sp_sweep.py, Llama-3.2-1B shape), same S list;
+#          run `MODEL=llama3_2_1b ... scale` for our side of that comparison
+# Needs .whl/ and .bench/anchor-bench as scripts/bench_gpu.sh does. Results under $OUT.
+set -u
+cd "$(dirname "$0")/.."
+export OUT=${OUT:-$PWD/outputs/bench_multi} PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 DS_ACCELERATOR=cuda
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+NGPU=${NGPU:-$(nvidia-smi -L | wc -l)}
+mkdir -p "$OUT"
+SITE=${BENCH_SITE:-/tmp/site}
+if [ -d .whl ] && [ ! -d "$SITE/deepspeed" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
+fi
+export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
+SEQS=${SEQS:-32768,65536,131072,262144}
+for part in ${*:-exact scale alst}; do
+  echo "=== $part $(date +%T)"
+  case $part in
+    exact)
+      for spec in "tiny:fp32:1e-5" "llama3_2_1b:bf16:2e-2"; do
+        IFS=: read model prec tol <<< "$spec"
+        python3 scripts/check_layouts.py --model "$model" --precision "$prec" --rtol "$tol" --ngpu "$NGPU" \
+          --out "$OUT/exact_${model}_${prec}.json"
+      done ;;
+    scale)   # ours, $MODEL (default the Llama-3.1-8B shape), cp = NGPU
+      python3 scripts/bench_train.py --model "${MODEL:-llama3_1_8b_shape}" --nproc "$NGPU" --steps 3 --timeout 560 \
+        --points "$(echo "$SEQS" | sed "s/,/:${MEMORY:-selective_tiled},/g"):${MEMORY:-selective_tiled}" ;;
+    alst)    # the anchor: ALST sp = NGPU on its model (the Llama-3.2-1B shape); compare with MODEL=llama3_2_1b
+      python3 .bench/anchor-bench/alst_sp_sweep.py --nproc "$NGPU" --seqs "$SEQS" --zero 3 ;;
+    *) echo "unknown part $part" ;;
+  esac
+done
