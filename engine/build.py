@@ -12,6 +12,7 @@ import torch
 
 from configs import Plan, TrainConfig
 from ds_ulysses_ext import CPCausalLM, Topology, enable_context_parallel
+from ds_ulysses_ext.memory import apply_memory_policies
 
 from .hf_config import hf_config_of
 from .ds_config import optimizer_params, to_deepspeed_dict
@@ -68,10 +69,6 @@ def build(cfg: TrainConfig, plan: Plan, topo: Topology, device: torch.device):
 
 
 def _apply_memory(hf, cfg: TrainConfig):
-    try:
-        from ds_ulysses_ext.memory import apply_memory_policies
-    except ImportError:  # memory policies not installed in this checkout
-        if cfg.memory.recompute != "none" or cfg.memory.offload_activations or cfg.memory.tiled_mlp:
-            raise
-        return []
+    # recompute=budget needs a probe of peak memory; without one (CPU, or not measured) it recomputes
+    # every layer and says so in a warning (ds_ulysses_ext/memory/budget.py)
     return apply_memory_policies(hf, cfg.memory)

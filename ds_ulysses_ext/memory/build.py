@@ -1,0 +1,58 @@
+"""From a MemoryConfig to applied policies, in one fixed order.
+
+Order of application (removal is the reverse, `remove_all`):
+1. the recompute policy (none | full | block | selective | budget): wraps decoder layers, or for
+   selective the RMSNorms and the MLP forward;
+2. TiledMLP: wraps each layer's MLP forward, on top of selective's (each tile then nests its
+   checkpoint inside a recomputed layer under full/block recompute, which non-reentrant checkpoints
+   support);
+3. OffloadActivations: wraps the decoder forward in saved-tensor hooks, outermost, so it sees what the
+   other policies decided to keep (layer inputs under full recompute, tile inputs under tiling).
+The config is read by attribute (configs/memory.py MemoryConfig), so the library has no config import.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .budget import BudgetRecompute, ProbeResult
+from .offload import OffloadActivations
+from .policy import MemoryPolicy, decoder_layers
+from .recompute import BlockRecompute, FullRecompute, NoRecompute, SelectiveRecompute
+from .tiling import TiledMLP
+
+
+def _recompute_policy(memory_cfg, num_layers: int, probe: Optional[ProbeResult]) -> MemoryPolicy:
+    kind = memory_cfg.recompute
+    if kind == "none":
+        return NoRecompute()
+    if kind == "full":
+        return FullRecompute()
+    if kind == "block":
+        if not 1 <= memory_cfg.recompute_num_layers <= num_layers:
+            raise ValueError(f"memory.recompute=block needs 1 <= memory.recompute_num_layers <= {num_layers} "
+                             f"(the model's decoder layers), got {memory_cfg.recompute_num_layers}")
+        return BlockRecompute(memory_cfg.recompute_num_layers, memory_cfg.recompute_method)
+    if kind == "selective":
+        return SelectiveRecompute()
+    if kind == "budget":
+        return BudgetRecompute(memory_cfg.budget_gib, probe)
+    raise ValueError(f"unknown memory.recompute={kind!r}; choose none, full, block, selective or budget")
+
+
+def build_memory_policies(memory_cfg, model: torch.nn.Module,
+                          probe: Optional[ProbeResult] = None) -> list[MemoryPolicy]:
+    """The policies memory_cfg selects, unapplied, in application order. probe: for recompute=budget."""
+    policies = [_recompute_policy(memory_cfg, len(decoder_layers(model)), probe)]
+    if memory_cfg.tiled_mlp:
+        policies.append(TiledMLP(memory_cfg.mlp_tile_tokens))
+    if memory_cfg.offload_activations:
+        policies.append(OffloadActivations())
+    return policies
+
+
+def apply_memory_policies(model: torch.nn.Module, memory_cfg,
+                          probe: Optional[ProbeResult] = None) -> list[MemoryPolicy]:
+    """Build and apply the configured policies to an HF causal LM (before deepspeed.initialize)."""
+    return [policy.apply(model) for policy in build_memory_policies(memory_cfg, model, probe)]

@@ -1,0 +1,54 @@
+#!/usr/bin/env python3
+"""Plot tokens/s per GPU and peak memory against sequence length from bench_train.jsonl files.
+
+    python3 scripts/plot_bench.py docs/results/h200-2026-11-29/bench_train.jsonl --out docs/bench_1gpu.png
+"""
+import argparse
+import json
+from pathlib import Path
+
+
+def load(paths):
+    rows = []
+    for p in paths:
+        rows += [json.loads(x) for x in Path(p).read_text().splitlines() if x.strip()]
+    return [r for r in rows if "error" not in r]
+
+
+def series(rows):
+    out = {}
+    for r in rows:
+        name = {"ours": "ds_ulysses_ext", "hf": "stock HF", "alst": "DeepSpeed ALST"}[r["variant"]]
+        tps = r.get("tokens_per_s_per_gpu") or r.get("tokens_per_s")
+        mem = r.get("peak_alloc_gib")
+        out.setdefault(name, []).append((r["S"], tps, mem))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("files", nargs="+")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for name, pts in series(load(args.files)).items():
+        xs = [p[0] / 1024 for p in pts]
+        a1.plot(xs, [p[1] for p in pts], marker="o", label=name)
+        a2.plot(xs, [p[2] for p in pts], marker="o", label=name)
+    for ax, label in ((a1, "tokens/s per GPU"), (a2, "peak allocated GiB")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length (k tokens)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    a2.axhline(139.8, color="grey", ls="--", lw=0.8)
+    a1.legend()
+    fig.suptitle("Llama-3.2-1B shape, one H200, bf16, one sequence per step")
+    fig.tight_layout()
+    fig.savefig(args.out, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
