@@ -1,0 +1,90 @@
+"""Engine pieces that must fail loudly: MFU over 100%, W&B without credentials, a half-written checkpoint,
+the gradient-reduction path check; plus the LR schedule and the W&B offline mode."""
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from configs import Plan
+from dist_harness import run_ranks
+from engine import checkpoint
+from engine.distributed import Runtime
+from engine.grad_reduction import loss_scale
+from engine.schedule import lr_factor
+from engine.step import StepResult
+from engine.tracking import Tracker
+from engine.train import _metrics
+from tiny_models import tiny_config
+
+PLAN = Plan(world_size=4, cp=2, dp=2, ep=1, grad_accum=2, micro_batch_size=1, global_batch_size=4, seq_len=1024,
+            zero_stage=3, precision="bf16")
+
+
+def test_mfu_above_100_percent_aborts():
+    rt = Runtime(rank=0, local_rank=0, world_size=4, device=torch.device("cpu"))
+    result = StepResult(loss=1.0, grad_norm=1.0, tokens=4000, input_tokens=4096)
+    cfg = tiny_config("llama")
+    ok = _metrics(1, result, 1e-3, 1.0, rt, PLAN, 1_000_000, cfg, peak_tflops=989.0)
+    assert 0 < ok["mfu"] < 1
+    with pytest.raises(RuntimeError, match="MFU .* exceeds 100%: the token count or context parallelism is broken"):
+        _metrics(1, result, 1e-3, 1e-12, rt, PLAN, 1_000_000, cfg, peak_tflops=989.0)
+
+
+def test_loss_scale_per_reduction_path():
+    # the measured DeepSpeed conventions (engine/grad_reduction.py), written out by hand
+    assert loss_scale(3, True, PLAN) == 4.0     # mean over dp*cp
+    assert loss_scale(3, False, PLAN) == 2.0    # sum over cp, mean over dp
+    assert loss_scale(2, True, PLAN) == 2.0
+    with pytest.raises(ValueError, match="no verified gradient-reduction scale; use zero2 or zero3"):
+        loss_scale(1, True, PLAN)
+
+
+def test_lr_schedule_warmup_then_cosine_to_the_floor():
+    f = [lr_factor(s, warmup_steps=2, max_steps=10, min_lr_ratio=0.1) for s in range(11)]
+    assert f[:2] == [0.5, 1.0]
+    assert f[2] == pytest.approx(1.0) and f[10] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(f[2:], f[3:]))
+
+
+def _wandb_cfg(mode):
+    return SimpleNamespace(progress_bar=False, log_every=1,
+                           wandb=SimpleNamespace(mode=mode, project="t", entity=None, name="t", dir=None))
+
+
+def test_wandb_online_without_key_is_an_error_not_a_prompt(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    with pytest.raises(RuntimeError, match="needs WANDB_API_KEY.*logging.wandb.mode=offline"):
+        Tracker(tmp_path, _wandb_cfg("online"), True, 3, 0, {})
+
+
+def test_wandb_offline_writes_a_local_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("HOME", str(tmp_path))  # no credentials anywhere
+    tracker = Tracker(tmp_path, _wandb_cfg("offline"), True, 3, 0, {"x": 1})
+    tracker.log({"step": 1, "loss": 2.0, "tokens_per_sec_per_gpu": 1.0, "mfu": None})
+    tracker.close()
+    assert list((tmp_path / "wandb").glob("offline-run-*"))
+    assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 1
+
+
+class _FailingEngine:
+    def save_checkpoint(self, save_dir, tag, client_state, save_latest):
+        (Path(save_dir) / tag).mkdir(parents=True)
+        (Path(save_dir) / tag / "half_written.pt").write_bytes(b"x")
+        raise OSError("disk full")
+
+
+def _partial_save(rank, world, out_dir):
+    out_dir = Path(out_dir)
+    root = checkpoint.ckpt_root(out_dir)
+    root.mkdir(parents=True)
+    (root / "latest").write_text("step_00000002\n")
+    with pytest.raises(OSError, match="disk full"):
+        checkpoint.save(_FailingEngine(), out_dir, 4, rank)
+    assert checkpoint.latest_tag(out_dir) == "step_00000002"
+
+
+def test_partially_written_checkpoint_never_becomes_latest(tmp_path):
+    run_ranks(_partial_save, 1, str(tmp_path))
