@@ -15,6 +15,9 @@ class MemoryConfig:
     recompute_num_layers: int = 0  # recompute=block: how many decoder layers are recomputed
     recompute_method: str = "uniform"  # recompute=block: uniform = spread over depth; block = the first N layers
     budget_gib: float = 0.0  # recompute=budget: target peak GPU memory in GiB
+    # block/budget: the layers that are NOT recomputed still recompute their element-wise work (selective),
+    # so long context keeps most attention outputs and re-runs attention only in the recomputed layers
+    selective_kept: bool = False
     offload_activations: bool = False  # saved activations go to pinned host memory during forward
     tiled_mlp: bool = False  # run the MLP over sequence tiles so its intermediate never exists whole
     mlp_tile_tokens: int = 8192  # tiled_mlp: tokens per tile

@@ -195,6 +195,11 @@ def _check_memory(mem: MemoryConfig, arch: Mapping[str, Any]) -> None:
             f"{mem.recompute_num_layers}; set memory.recompute_num_layers (or use memory=full_recompute)",
         )
     _require(
+        not mem.selective_kept or mem.recompute in ("block", "budget"),
+        f"memory.selective_kept=true only applies to memory.recompute=block or budget, got "
+        f"{mem.recompute!r}; use memory.recompute=selective for selective recompute alone",
+    )
+    _require(
         mem.recompute != "budget" or mem.budget_gib > 0,
         f"memory.recompute=budget needs memory.budget_gib > 0, got {mem.budget_gib}; "
         "set memory.budget_gib=<target peak GiB>",

@@ -366,3 +366,10 @@ def test_random_init_without_arch_is_refused():
 
 def test_config_error_is_a_value_error():
     assert issubclass(ConfigError, ValueError)
+
+
+def test_selective_kept_needs_block_or_budget():
+    with pytest.raises(ConfigError, match=r"memory.selective_kept=true only applies to memory.recompute=block or budget"):
+        validate(compose_config(["memory=selective", "memory.selective_kept=true"]), 2)
+    plan = validate(compose_config(["memory=selective_block"]), 2)
+    assert plan.cp == 2

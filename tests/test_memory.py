@@ -50,6 +50,8 @@ CASES = {
                             [LAYER.format(0), LAYER.format(2), "hf.model"] + MLPS),
     "selective_offload_tiled": (lambda: [SelectiveRecompute(), TiledMLP(TILE), OffloadActivations(min_bytes=0)],
                                 NORMS + ["hf.model.norm", "hf.model"] + MLPS),
+    "selective_block_tiled": (lambda: [SelectiveRecompute(), BlockRecompute(2, "uniform"), TiledMLP(TILE)],
+                              NORMS + ["hf.model.norm", LAYER.format(0), LAYER.format(2)] + MLPS),
 }
 
 
@@ -231,7 +233,8 @@ def test_every_memory_preset_builds_and_applies(preset):
     kinds = [type(p).__name__ for p in build_memory_policies(cfg, lm.hf)]
     expected = {"none": "NoRecompute", "full": "FullRecompute", "block": "BlockRecompute",
                 "selective": "SelectiveRecompute", "budget": "BudgetRecompute"}[cfg.recompute]
-    assert kinds == [expected] + ["TiledMLP"] * cfg.tiled_mlp + ["OffloadActivations"] * cfg.offload_activations
+    assert kinds == (["SelectiveRecompute"] * cfg.selective_kept + [expected] + ["TiledMLP"] * cfg.tiled_mlp
+                     + ["OffloadActivations"] * cfg.offload_activations)
     before = _snapshot(lm)
     policies = apply_memory_policies(lm.hf, cfg)
     remove_all(policies)
@@ -323,6 +326,7 @@ ZERO3_CASES = {  # name -> (policies, sequence lengths); 26 gives 13 local token
     "tiled": (lambda: [TiledMLP(TILE)], (26, 32)),
     "block_offload_tiled": (lambda: [BlockRecompute(2, "uniform"), TiledMLP(TILE), OffloadActivations(min_bytes=0)],
                             (26, 32)),
+    "selective_block_tiled": (lambda: [SelectiveRecompute(), BlockRecompute(2, "uniform"), TiledMLP(TILE)], (26,)),
 }
 LR = 0.1
 

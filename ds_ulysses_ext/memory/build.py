@@ -1,6 +1,8 @@
 """From a MemoryConfig to applied policies, in one fixed order.
 
 Order of application (removal is the reverse, `remove_all`):
+0. with selective_kept (block/budget only): SelectiveRecompute on every layer, so the layers the
+   recompute policy keeps still drop their element-wise activations;
 1. the recompute policy (none | full | block | selective | budget): wraps decoder layers, or for
    selective the RMSNorms and the MLP forward;
 2. TiledMLP: wraps each layer's MLP forward, on top of selective's (each tile then nests its
@@ -45,6 +47,11 @@ def build_memory_policies(memory_cfg, model: torch.nn.Module,
                           probe: Optional[ProbeResult] = None) -> list[MemoryPolicy]:
     """The policies memory_cfg selects, unapplied, in application order. probe: for recompute=budget."""
     policies = [_recompute_policy(memory_cfg, len(decoder_layers(model)), probe)]
+    if getattr(memory_cfg, "selective_kept", False):
+        if memory_cfg.recompute not in ("block", "budget"):
+            raise ValueError("memory.selective_kept=true only applies to memory.recompute=block or budget")
+        # first, so that whole-layer checkpoints wrap layers whose norms/MLP already recompute selectively
+        policies.insert(0, SelectiveRecompute())
     if memory_cfg.tiled_mlp:
         policies.append(TiledMLP(memory_cfg.mlp_tile_tokens))
     if memory_cfg.offload_activations:
