@@ -59,10 +59,7 @@ def train(cfg: TrainConfig, plan: Plan, rt: Runtime) -> dict:
                       dataclasses.asdict(cfg))
     # automatic GC pauses one rank at a random moment and stalls every collective; collect together instead
     gc.disable()
-    stop = cfg.trainer.max_steps
-    if cfg.trainer.stop_after_steps:
-        stop = min(stop, cfg.trainer.stop_after_steps)
-    step = start
+    stop = min(cfg.trainer.max_steps, cfg.trainer.stop_after_steps or cfg.trainer.max_steps)
     try:
         for step in range(start, stop):
             micro_batches = [collate([dataset[i] for i in idx], cfg.data.seq_len, pad_id)
@@ -79,18 +76,16 @@ def train(cfg: TrainConfig, plan: Plan, rt: Runtime) -> dict:
                 gc.collect()
             if cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0:
                 checkpoint.save(engine, out_dir, step + 1, rt.rank)
-        else:
-            step = stop
     finally:
         tracker.close()
         gc.enable()
-    step = stop
     if stop < cfg.trainer.max_steps:  # stopped early on purpose (tests of resume): no final save/export
-        return {"stopped_at": step}
+        return {"stopped_at": stop}
 
+    # --- end of run: checkpoint, HF export, loss plot
     outputs = {"metrics": str(out_dir / "metrics.jsonl")}
-    if cfg.trainer.save_at_end and checkpoint.latest_tag(out_dir) != f"step_{step:08d}":
-        checkpoint.save(engine, out_dir, step, rt.rank)
+    if cfg.trainer.save_at_end and checkpoint.latest_tag(out_dir) != f"step_{stop:08d}":
+        checkpoint.save(engine, out_dir, stop, rt.rank)
     if cfg.trainer.export_hf:
         outputs["hf_export"] = str(checkpoint.export_hf(engine, hf, out_dir / "hf_export", rt.rank, tokenizer))
     if rt.is_main and (out_dir / "metrics.jsonl").exists():
