@@ -38,6 +38,12 @@ def _check_inputs(batch: dict) -> None:
     if unknown:
         raise UnsupportedError(f"shard_batch does not know how to split {sorted(unknown)}; "
                                f"it handles {sorted(KNOWN_KEYS)}")
+    pos = batch.get("position_ids")
+    if pos is not None and pos.shape[1] > 1 and bool((pos[:, 1:] - pos[:, :-1] != 1).any()):
+        # restarting positions mean packed documents; a dense causal kernel would let them attend to
+        # each other, which changes the model silently
+        raise UnsupportedError("position_ids are not consecutive (packed sequences?): packing is not supported "
+                               "under context parallelism yet; give one document per row, right-padded")
     mask = batch.get("attention_mask")
     if mask is not None and bool((mask[:, 1:] > mask[:, :-1]).any()):
         raise UnsupportedError("left padding detected (a pad before a real token) in attention_mask; context "

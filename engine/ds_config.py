@@ -18,8 +18,11 @@ def to_deepspeed_dict(cfg: TrainConfig, plan: Plan) -> dict:
         "reduce_scatter": True,  # pinned: grad_reduction.py's scale assumes it
     }
     if ds.zero_stage == 3:
+        # with one rank a "partition" is the whole parameter, so gathering and releasing it around every
+        # module saves no memory and only costs hook time: keep every parameter resident instead
+        persistence = ds.stage3_param_persistence_threshold if plan.world_size > 1 else 1 << 62
         zero.update({
-            "stage3_param_persistence_threshold": ds.stage3_param_persistence_threshold,
+            "stage3_param_persistence_threshold": persistence,
             "stage3_prefetch_bucket_size": ds.stage3_prefetch_bucket_size,
             "stage3_gather_16bit_weights_on_model_save": False,
         })

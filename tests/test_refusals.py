@@ -33,6 +33,13 @@ def test_shard_batch_pads_and_splits_with_global_positions():
     assert out["position_ids"].tolist() == [[3, 4, 5]]
 
 
+def test_packed_position_ids_are_refused():
+    ids = torch.ones(1, 6, dtype=torch.long)
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2]])
+    with pytest.raises(UnsupportedError, match="not consecutive .packed sequences.*one document per row"):
+        shard_batch({"input_ids": ids, "position_ids": pos}, CP2)
+
+
 def test_multimodal_inputs_are_refused():
     ids = torch.ones(1, 4, dtype=torch.long)
     with pytest.raises(UnsupportedError, match="multimodal input 'pixel_values'.*cp=1"):

@@ -1,0 +1,57 @@
+"""The real loading paths, offline: model.source=pretrained from a local save_pretrained folder, and
+data=jsonl with a local tokenizer, through scripts/train.py at cp=2."""
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from dist_harness import run_ranks
+from tiny_models import tiny_model
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+
+
+def _run(rank, world, overrides):
+    from configs import compose_config
+    import train as entry
+    entry.run(compose_config(overrides))
+
+
+def test_pretrained_model_and_jsonl_data_train_at_cp2(tmp_path):
+    model_dir = tmp_path / "saved_model"
+    saved = tiny_model("llama", vocab_size=512)
+    saved.save_pretrained(model_dir)
+    data = tmp_path / "train.jsonl"
+    lines = [json.dumps({"messages": [{"role": "user", "content": f"question {i} about the harbour"},
+                                      {"role": "assistant", "content": f"answer {i}: the boats come back at dusk"}]})
+             for i in range(12)]
+    lines.insert(5, "{not json")  # a malformed line is reported and skipped (on_bad_line=skip)
+    data.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "run"
+    overrides = ["model.source=pretrained", f"model.path={model_dir}", "model.family=llama",
+                 "data=jsonl", f"data.path={data}", f"data.tokenizer_path={ROOT / 'engine' / 'demo_data' / 'tokenizer'}",
+                 "data.format=chat", "data.seq_len=64", "parallelism.cp=2", "precision=fp32", "device=cpu",
+                 "trainer.max_steps=2", "trainer.global_batch_size=2", "trainer.export_hf=false",
+                 "trainer.save_at_end=false", "logging.progress_bar=false", f"run.out_dir={out}"]
+    run_ranks(_run, 2, overrides)
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    # loss only on assistant tokens: fewer targets than real tokens
+    assert 0 < rows[0]["tokens"] < rows[0]["input_tokens"]
+    # the run started from the saved weights: its first loss equals stock HF's loss of the saved model on
+    # step 0's samples (a random init would differ)
+    from configs import compose_config
+    from engine.data import GlobalBatchSampler, build_dataset, collate, pad_id_of
+    cfg = compose_config(overrides)
+    dataset, stats, tok = build_dataset(cfg.data, seed=cfg.run.seed, vocab_size=512)
+    assert stats.num_bad_lines == 1
+    batch = collate([dataset[i] for i in GlobalBatchSampler(len(dataset), 2, cfg.run.seed).indices_for_step(0)],
+                    64, pad_id_of(tok))
+    with torch.no_grad():
+        logits = saved(input_ids=batch["input_ids"]).logits
+    ref = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), batch["labels"][:, 1:].reshape(-1),
+                          ignore_index=-100).item()
+    assert abs(rows[0]["loss"] - ref) / ref < 1e-5, (rows[0]["loss"], ref)
