@@ -7,7 +7,10 @@
 #   attn         ulysses_attention (group of 1) vs the backend directly, bf16 Hq32/Hkv8 D128, 32k + 128k
 #   train_short  Llama-3.2-1B shape, 16k/32k/64k: ours (full recompute, ZeRO-3) and stock HF (anchor 'hf')
 #   train_long   $LONG_POINTS (S:memory, default 128k and 256k with selective_tiled): ours and ALST (anchor 'alst')
-#   train_1m     one 1,048,576-token step of ours (memory=long_context)
+#   train_1m     one 1,048,576-token step of ours (memory=long_context); about 14 min at the measured 256k rate,
+#                which is over the device's 10-minute command limit on one H200
+#   train_1m_4l  the same 1M-token step with 4 of the 16 layers: GPU memory is set by one layer's working set
+#                plus offloaded inputs (host), so this shows whether 1M fits; time scales ~linearly with layers
 # Needs: .whl/ (DeepSpeed 0.19.8 + hjson, pydantic(-core), annotated-types, typing-inspection, hydra-core,
 # omegaconf, antlr4 wheels) and .bench/anchor-bench; results under $OUT (default outputs/bench).
 set -u
@@ -28,6 +31,8 @@ for part in ${*:-attn train_short train_long}; do
     train_long) python3 scripts/bench_train.py --points ${LONG_POINTS:-131072:selective_tiled,262144:selective_tiled} \
                   --anchors alst --steps ${LONG_STEPS:-3} ;;
     train_1m) python3 scripts/bench_train.py --points 1048576:long_context --steps 1 --timeout 580 ;;
+    train_1m_4l) python3 scripts/bench_train.py --points 1048576:long_context --steps 1 --timeout 580 \
+                   model.arch.num_hidden_layers=4 ;;
     *) echo "unknown part $part" ;;
   esac
 done

@@ -7,6 +7,8 @@
 #   exact  tiny model fp32 (tight) and Llama-3.2-1B shape bf16, 3 steps at cp=1,2,..,NGPU: loss and grad_norm
 #          per step must agree across layouts (fp32 rel 1e-5; bf16 rel 2e-2) -> $OUT/exact_*.json
 #   scale  $MODEL (default Llama-3.1-8B shape, random init), ZeRO-3, bf16, cp=NGPU, S in $SEQS
+#   long   Llama-3.2-1B shape, one 1,048,576-token step at cp=NGPU (memory=long_context); ALST sp=2 took
+#          428.6 s on two H200s (../research/gpu_baseline.md section D)
 #   alst   DeepSpeed ALST sp=NGPU (../anchor-bench/alst_sp_sweep.py, Llama-3.2-1B shape), same S list;
 #          run `MODEL=llama3_2_1b ... scale` for our side of that comparison
 # Needs .whl/ and .bench/anchor-bench as scripts/bench_gpu.sh does. Results under $OUT.
@@ -34,6 +36,9 @@ for part in ${*:-exact scale alst}; do
     scale)   # ours, $MODEL (default the Llama-3.1-8B shape), cp = NGPU
       python3 scripts/bench_train.py --model "${MODEL:-llama3_1_8b_shape}" --nproc "$NGPU" --steps 3 --timeout 560 \
         --points "$(echo "$SEQS" | sed "s/,/:${MEMORY:-selective_tiled},/g"):${MEMORY:-selective_tiled}" ;;
+    long)
+      python3 scripts/bench_train.py --model llama3_2_1b --nproc "$NGPU" --steps 1 --timeout 580 \
+        --points 1048576:long_context ;;
     alst)    # the anchor: ALST sp = NGPU on its model (the Llama-3.2-1B shape); compare with MODEL=llama3_2_1b
       python3 .bench/anchor-bench/alst_sp_sweep.py --nproc "$NGPU" --seqs "$SEQS" --zero 3 ;;
     *) echo "unknown part $part" ;;
