@@ -15,6 +15,10 @@ class MemoryConfig:
     recompute_num_layers: int = 0  # recompute=block: how many decoder layers are recomputed
     recompute_method: str = "uniform"  # recompute=block: uniform = spread over depth; block = the first N layers
     budget_gib: float = 0.0  # recompute=budget: target peak GPU memory in GiB
+    # recompute=budget: the probe, i.e. peak_mem_gib of one step with memory=none and with memory=full_recompute
+    # at this seq_len (two short runs); 0 = no probe, and budget then recomputes every layer (with a warning)
+    probe_none_gib: float = 0.0
+    probe_full_gib: float = 0.0
     # block/budget: the layers that are NOT recomputed still recompute their element-wise work (selective),
     # so long context keeps most attention outputs and re-runs attention only in the recomputed layers
     selective_kept: bool = False

@@ -205,6 +205,11 @@ def _check_memory(mem: MemoryConfig, arch: Mapping[str, Any]) -> None:
         "set memory.budget_gib=<target peak GiB>",
     )
     _require(
+        (mem.probe_none_gib > 0) == (mem.probe_full_gib > 0) and mem.probe_none_gib >= mem.probe_full_gib,
+        f"memory.probe_none_gib={mem.probe_none_gib} and memory.probe_full_gib={mem.probe_full_gib}: give both "
+        "(peak_mem_gib of a memory=none and a memory=full_recompute step), none >= full, or neither",
+    )
+    _require(
         not mem.tiled_mlp or mem.mlp_tile_tokens >= 1,
         f"memory.tiled_mlp=true needs memory.mlp_tile_tokens >= 1, got {mem.mlp_tile_tokens}",
     )

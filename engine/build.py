@@ -12,7 +12,7 @@ import torch
 
 from configs import Plan, TrainConfig
 from ds_ulysses_ext import CPCausalLM, Topology, enable_context_parallel
-from ds_ulysses_ext.memory import apply_memory_policies
+from ds_ulysses_ext.memory import ProbeResult, apply_memory_policies
 
 from .hf_config import hf_config_of
 from .ds_config import optimizer_params, to_deepspeed_dict
@@ -69,6 +69,10 @@ def build(cfg: TrainConfig, plan: Plan, topo: Topology, device: torch.device):
 
 
 def _apply_memory(hf, cfg: TrainConfig):
-    # recompute=budget needs a probe of peak memory; without one (CPU, or not measured) it recomputes
-    # every layer and says so in a warning (ds_ulysses_ext/memory/budget.py)
-    return apply_memory_policies(hf, cfg.memory)
+    # recompute=budget decides from a probe of peak memory given in the config (two short runs'
+    # peak_mem_gib); without one it recomputes every layer and says so in a warning (memory/budget.py)
+    mem = cfg.memory
+    probe = None
+    if mem.probe_none_gib > 0:
+        probe = ProbeResult(mem.probe_none_gib, mem.probe_full_gib, hf.config.num_hidden_layers)
+    return apply_memory_policies(hf, mem, probe)

@@ -373,3 +373,9 @@ def test_selective_kept_needs_block_or_budget():
         validate(compose_config(["memory=selective", "memory.selective_kept=true"]), 2)
     plan = validate(compose_config(["memory=selective_block"]), 2)
     assert plan.cp == 2
+
+
+def test_budget_probe_numbers_come_in_pairs():
+    with pytest.raises(ConfigError, match=r"memory.probe_none_gib=50.0 and memory.probe_full_gib=0.0: give both"):
+        validate(compose_config(["memory=budget", "memory.probe_none_gib=50"]), 2)
+    validate(compose_config(["memory=budget", "memory.probe_none_gib=50", "memory.probe_full_gib=10"]), 2)
