@@ -114,6 +114,9 @@ def _free_port():
 LAUNCHERS = {
     "deepspeed": lambda port: [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--no_local_rank",
                                "--master_port", str(port)],
+    # plain deepspeed appends --local_rank=N; the entry point must drop it before Hydra parses argv
+    "deepspeed_local_rank": lambda port: [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2",
+                                          "--master_port", str(port)],
     "torchrun": lambda port: [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                               "--master_port", str(port)],
 }
