@@ -88,3 +88,15 @@ def _partial_save(rank, world, out_dir):
 
 def test_partially_written_checkpoint_never_becomes_latest(tmp_path):
     run_ranks(_partial_save, 1, str(tmp_path))
+
+
+def test_attention_benchmark_script_runs_on_cpu():
+    # a smoke test of the benchmark's code path; it times nothing that is asserted
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, str(root / "scripts" / "bench_attention.py"), "--device", "cpu",
+                           "--seqs", "64", "--hq", "4", "--hkv", "2", "--head-dim", "8", "--reps", "1"],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "MASTER_PORT": "29547"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert '"overhead_pct"' in proc.stdout
