@@ -23,4 +23,5 @@ class LoggingConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     progress_bar: bool = True  # tqdm bar on rank 0
     log_every: int = 1  # console/W&B every N steps (metrics.jsonl always gets every step)
+    phase_times: bool = False  # time forward / backward / optimizer per step (adds GPU syncs); for breakdowns
     peak_tflops: float = 0.0  # per-GPU bf16 dense peak used for MFU; 0 = detect from the GPU name

@@ -67,7 +67,7 @@ def train(cfg: TrainConfig, plan: Plan, rt: Runtime) -> dict:
             lr = engine.get_lr()[0]
             _sync(rt.device)
             t0 = time.perf_counter()
-            result = train_step(engine, micro_batches, topo, scale, rt.device, pad_id)
+            result = train_step(engine, micro_batches, topo, scale, rt.device, pad_id, cfg.logging.phase_times)
             _sync(rt.device)
             dt = time.perf_counter() - t0
             record = _metrics(step + 1, result, lr, dt, rt, plan, num_params, hf_config, peak_tflops)
@@ -111,7 +111,8 @@ def _metrics(step, result, lr, dt, rt: Runtime, plan: Plan, num_params, hf_confi
     return {"step": step, "loss": result.loss, "grad_norm": result.grad_norm, "lr": lr, "tokens": result.tokens,
             "input_tokens": result.input_tokens, "step_time_s": dt,
             "tokens_per_sec_per_gpu": result.input_tokens / dt / rt.world_size,
-            "tflops_per_gpu": tflops, "mfu": mfu, "peak_mem_gib": peak, "peak_reserved_gib": reserved}
+            "tflops_per_gpu": tflops, "mfu": mfu, "peak_mem_gib": peak, "peak_reserved_gib": reserved,
+            **{f"time_{k}_s": v for k, v in result.phase_s.items()}}
 
 
 def _memory(device: torch.device) -> tuple[float, float]:

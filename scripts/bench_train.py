@@ -31,7 +31,7 @@ def run_ours(S, memory, args, out_root):
             f"trainer.max_steps={args.steps}", f"trainer.global_batch_size={args.nproc // args.cp}",
             "trainer.micro_batch_size=1", "trainer.warmup_steps=1", "trainer.save_at_end=false",
             "trainer.export_hf=false", "trainer.resume=false", "logging.progress_bar=false",
-            f"parallelism.cp={args.cp}", f"memory={memory}", f"precision={args.precision}",
+            "logging.phase_times=true", f"parallelism.cp={args.cp}", f"memory={memory}", f"precision={args.precision}",
             f"deepspeed={args.deepspeed}", f"device={args.device}", f"run.out_dir={out}"] + args.extra
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
            str(ROOT / "scripts" / "train.py")] + over
@@ -50,7 +50,8 @@ def run_ours(S, memory, args, out_root):
     res.update(step_s=step_s, timed_steps=len(timed), tokens_per_s_per_gpu=S * args.nproc / args.cp / step_s / args.nproc,
                tflops_per_gpu=statistics.median(r["tflops_per_gpu"] for r in timed), mfu=last["mfu"],
                peak_alloc_gib=last["peak_mem_gib"], peak_reserved_gib=last["peak_reserved_gib"],
-               loss=last["loss"])
+               loss=last["loss"],
+               **{k: statistics.median(r[k] for r in timed) for k in last if k.startswith("time_")})
     return res
 
 

@@ -35,10 +35,13 @@ def test_pretrained_model_and_jsonl_data_train_at_cp2(tmp_path):
                  "data=jsonl", f"data.path={data}", f"data.tokenizer_path={ROOT / 'engine' / 'demo_data' / 'tokenizer'}",
                  "data.format=chat", "data.seq_len=64", "parallelism.cp=2", "precision=fp32", "device=cpu",
                  "trainer.max_steps=2", "trainer.global_batch_size=2", "trainer.export_hf=false",
-                 "trainer.save_at_end=false", "logging.progress_bar=false", f"run.out_dir={out}"]
+                 "trainer.save_at_end=false", "logging.progress_bar=false", "logging.phase_times=true",
+                 f"run.out_dir={out}"]
     run_ranks(_run, 2, overrides)
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
+    phases = sum(rows[1][f"time_{p}_s"] for p in ("forward", "backward", "optimizer"))
+    assert 0 < phases <= rows[1]["step_time_s"]
     # loss only on assistant tokens: fewer targets than real tokens
     assert 0 < rows[0]["tokens"] < rows[0]["input_tokens"]
     # the run started from the saved weights: its first loss equals stock HF's loss of the saved model on
