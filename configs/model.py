@@ -7,7 +7,7 @@ from typing import Any, Dict, Optional
 SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "gpt_oss", "latent_moe")
 MOE_FAMILIES = ("qwen3_moe", "gpt_oss", "latent_moe")
 MODEL_SOURCES = ("config", "pretrained")
-ATTN_BACKENDS = ("auto", "sdpa", "flash_attn")
+ATTN_BACKENDS = ("auto", "sdpa", "flash_attn", "fa4")
 
 
 @dataclass
@@ -21,4 +21,4 @@ class ModelConfig:
     # is the truth; the presets repeat its head/layer/expert counts here only so `validate` can check cp and
     # ep before anything is downloaded. Keys left out are checked later, at model load.
     arch: Dict[str, Any] = field(default_factory=dict)
-    attn_backend: str = "auto"  # local attention kernel after the all-to-all: auto | sdpa | flash_attn
+    attn_backend: str = "auto"  # local attention kernel after the all-to-all: auto | sdpa | flash_attn | fa4

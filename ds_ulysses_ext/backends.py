@@ -6,7 +6,9 @@ Every backend takes and returns the [B, S, h, D] layout and handles GQA natively
 - `sdpa`: torch scaled_dot_product_attention. On Hopper it dispatches to cuDNN attention for these
   shapes (539 TFLOP/s fwd+bwd at 128k, research/gpu_baseline.md); on CPU it runs the math kernel.
 - `flash_attn`: flash-attn 2/3 `flash_attn_func`, imported lazily (a GPU-only optional extra).
-- `auto`: flash_attn when it imports and the tensors are on CUDA, else sdpa.
+- `fa4`: FlashAttention-4 (`flash_attn.cute.flash_attn_func`, package flash-attn-4; Hopper/Blackwell), lazily;
+  621 TFLOP/s fwd+bwd at 128k on an H200 against cuDNN's 539 (research/gpu_baseline.md).
+- `auto`: on CUDA the first that imports of fa4, flash_attn, else sdpa; sdpa on CPU.
 The choice is logged once per process per (backend, device type).
 """
 from __future__ import annotations
@@ -22,7 +24,7 @@ from .errors import UnsupportedError
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "sdpa", "flash_attn")
+BACKENDS = ("auto", "sdpa", "flash_attn", "fa4")
 
 
 def sdpa_attention(q_BShD, k_BShD, v_BShD, *, causal: bool, softmax_scale: Optional[float]):
@@ -50,7 +52,26 @@ def flash_attention(q_BShD, k_BShD, v_BShD, *, causal: bool, softmax_scale: Opti
     return fn(q_BShD, k_BShD, v_BShD, causal=causal, softmax_scale=softmax_scale)
 
 
-_IMPLS = {"sdpa": sdpa_attention, "flash_attn": flash_attention}
+@functools.lru_cache(maxsize=None)
+def _fa4_func() -> Optional[Callable]:
+    try:
+        from flash_attn.cute import flash_attn_func  # optional GPU extra (flash-attn-4)
+    except Exception:
+        return None
+    return flash_attn_func
+
+
+def fa4_attention(q_BShD, k_BShD, v_BShD, *, causal: bool, softmax_scale: Optional[float]):
+    fn = _fa4_func()
+    if fn is None:
+        raise UnsupportedError("attention backend 'fa4' requested but flash-attn-4 (flash_attn.cute) is not "
+                               "importable; install it on the GPU machine or set model.attn_backend=sdpa")
+    kwargs = {} if softmax_scale is None else {"softmax_scale": softmax_scale}
+    out = fn(q_BShD, k_BShD, v_BShD, causal=causal, **kwargs)
+    return out[0] if isinstance(out, tuple) else out  # FA4 returns (out, lse)
+
+
+_IMPLS = {"sdpa": sdpa_attention, "flash_attn": flash_attention, "fa4": fa4_attention}
 
 
 def resolve_backend(name: str, device_type: str) -> str:
@@ -58,7 +79,9 @@ def resolve_backend(name: str, device_type: str) -> str:
     if name not in BACKENDS:
         raise UnsupportedError(f"unknown attention backend {name!r}; choose one of {BACKENDS} (model.attn_backend)")
     if name == "auto":
-        name = "flash_attn" if device_type == "cuda" and _flash_attn_func() is not None else "sdpa"
+        name = "sdpa"
+        if device_type == "cuda":
+            name = "fa4" if _fa4_func() is not None else "flash_attn" if _flash_attn_func() is not None else "sdpa"
     _log_choice(name, device_type)
     return name
 

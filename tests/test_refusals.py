@@ -77,6 +77,16 @@ def test_flash_attn_missing_is_reported():
         local_attention("flash_attn", q, q, q)
 
 
+def test_fa4_missing_is_reported_and_auto_falls_back_to_sdpa():
+    q = torch.randn(1, 4, 2, 8)
+    with pytest.raises(UnsupportedError, match="flash-attn-4 .flash_attn.cute. is not importable.*attn_backend=sdpa"):
+        local_attention("fa4", q, q, q)
+    from ds_ulysses_ext.backends import resolve_backend
+    assert resolve_backend("auto", "cpu") == "sdpa"
+    with pytest.raises(UnsupportedError, match="unknown attention backend 'fa5'"):
+        resolve_backend("fa5", "cpu")
+
+
 def _unsharded_input(rank, world):
     topo = init_topology(world)
     lm = CPCausalLM(enable_context_parallel(tiny_model("llama"), topo, backend="sdpa"))
