@@ -19,8 +19,10 @@ def to_deepspeed_dict(cfg: TrainConfig, plan: Plan) -> dict:
     }
     if ds.zero_stage == 3:
         # with one rank a "partition" is the whole parameter, so gathering and releasing it around every
-        # module saves no memory and only costs hook time: keep every parameter resident instead
-        persistence = ds.stage3_param_persistence_threshold if plan.world_size > 1 else 1 << 62
+        # module saves no memory and only costs hook time: keep every parameter resident instead (unless
+        # parameters are offloaded to the host, where release is the point)
+        resident = plan.world_size == 1 and not ds.offload_param
+        persistence = 1 << 62 if resident else ds.stage3_param_persistence_threshold
         zero.update({
             "stage3_param_persistence_threshold": persistence,
             "stage3_prefetch_bucket_size": ds.stage3_prefetch_bucket_size,

@@ -100,3 +100,17 @@ def test_attention_benchmark_script_runs_on_cpu():
                           capture_output=True, text=True, timeout=120, env={**os.environ, "MASTER_PORT": "29547"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert '"overhead_pct"' in proc.stdout
+
+
+def test_zero3_world1_keeps_params_resident_unless_offloaded():
+    from configs import compose_config, validate
+    from engine.ds_config import to_deepspeed_dict
+    cfg = compose_config(["parallelism=cp1"])
+    zero = to_deepspeed_dict(cfg, validate(cfg, 1))["zero_optimization"]
+    assert zero["stage3_param_persistence_threshold"] >= 1 << 40
+    cfg = compose_config(["parallelism=cp1", "deepspeed=zero3_offload"])
+    zero = to_deepspeed_dict(cfg, validate(cfg, 1))["zero_optimization"]
+    assert zero["stage3_param_persistence_threshold"] == cfg.deepspeed.stage3_param_persistence_threshold
+    cfg = compose_config([])
+    assert to_deepspeed_dict(cfg, validate(cfg, 2))["zero_optimization"]["stage3_param_persistence_threshold"] == \
+        cfg.deepspeed.stage3_param_persistence_threshold
