@@ -15,6 +15,7 @@ from ds_ulysses_ext import CPCausalLM, Topology, enable_context_parallel
 from ds_ulysses_ext.memory import ProbeResult, apply_memory_policies
 
 from .hf_config import hf_config_of
+from .init import init_random_weights
 from .ds_config import optimizer_params, to_deepspeed_dict
 from .grad_reduction import check_engine
 from .schedule import build_scheduler
@@ -31,8 +32,8 @@ def model_dtype(cfg: TrainConfig) -> torch.dtype:
 def build_hf_model(cfg: TrainConfig, ds_dict: dict):
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
-    if cfg.deepspeed.zero_stage == 3:
-        _HF_DS_CONFIG.clear()
+    _HF_DS_CONFIG.clear()  # a previous build's ZeRO-3 config must not leak into a ZeRO-2 build
+    if ds_dict["zero_optimization"]["stage"] == 3:
         _HF_DS_CONFIG.append(HfDeepSpeedConfig(ds_dict))
     m = cfg.model
     torch.manual_seed(cfg.run.seed)  # random init is identical on every rank and every layout
@@ -41,6 +42,7 @@ def build_hf_model(cfg: TrainConfig, ds_dict: dict):
     else:
         hf_config = hf_config_of(m)
         model = AutoModelForCausalLM.from_config(hf_config, dtype=model_dtype(cfg), attn_implementation="sdpa")
+        init_random_weights(model, cfg.run.seed, getattr(hf_config, "initializer_range", 0.02))
     model.config.use_cache = False
     return model.train()
 
@@ -53,7 +55,11 @@ def build(cfg: TrainConfig, plan: Plan, topo: Topology, device: torch.device):
     enable_context_parallel(hf, topo, backend=cfg.model.attn_backend)
     policies = _apply_memory(hf, cfg)
     model = CPCausalLM(hf, loss_chunk_size=cfg.trainer.loss_chunk_size)
-    if cfg.deepspeed.zero_stage != 3:
+    stage = ds_dict["zero_optimization"]["stage"]
+    if stage != cfg.deepspeed.zero_stage:
+        log.info("deepspeed.zero_stage=%d on one rank runs as ZeRO-%d: same memory, less per-step overhead "
+                 "(engine/ds_config.py)", cfg.deepspeed.zero_stage, stage)
+    if stage != 3:
         model.to(device)
     optimizer = None
     if "optimizer" not in ds_dict:

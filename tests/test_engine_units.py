@@ -102,15 +102,44 @@ def test_attention_benchmark_script_runs_on_cpu():
     assert '"overhead_pct"' in proc.stdout
 
 
-def test_zero3_world1_keeps_params_resident_unless_offloaded():
+def test_zero3_on_one_rank_runs_as_zero2_unless_params_are_offloaded():
     from configs import compose_config, validate
     from engine.ds_config import to_deepspeed_dict
-    cfg = compose_config(["parallelism=cp1"])
-    zero = to_deepspeed_dict(cfg, validate(cfg, 1))["zero_optimization"]
-    assert zero["stage3_param_persistence_threshold"] >= 1 << 40
+    cfg = compose_config(["parallelism=cp1", "deepspeed=zero3"])
+    assert to_deepspeed_dict(cfg, validate(cfg, 1))["zero_optimization"]["stage"] == 2
     cfg = compose_config(["parallelism=cp1", "deepspeed=zero3_offload"])
-    zero = to_deepspeed_dict(cfg, validate(cfg, 1))["zero_optimization"]
-    assert zero["stage3_param_persistence_threshold"] == cfg.deepspeed.stage3_param_persistence_threshold
-    cfg = compose_config([])
-    assert to_deepspeed_dict(cfg, validate(cfg, 2))["zero_optimization"]["stage3_param_persistence_threshold"] == \
-        cfg.deepspeed.stage3_param_persistence_threshold
+    assert to_deepspeed_dict(cfg, validate(cfg, 1))["zero_optimization"]["stage"] == 3
+    cfg = compose_config(["deepspeed=zero3"])
+    assert to_deepspeed_dict(cfg, validate(cfg, 2))["zero_optimization"]["stage"] == 3
+
+
+def _init_weights_by_stage(rank, world, out):
+    import deepspeed
+    from configs import compose_config, validate
+    from engine.build import build_hf_model
+    from engine.ds_config import to_deepspeed_dict
+    from ds_ulysses_ext.integrate import skip_deepspeed_shm_build
+    skip_deepspeed_shm_build()
+    weights = {}
+    for stage in ("zero3", "zero2"):
+        cfg = compose_config([f"deepspeed={stage}", "deepspeed.stage3_param_persistence_threshold=0",
+                              f"parallelism.cp={world}"])
+        model = build_hf_model(cfg, to_deepspeed_dict(cfg, validate(cfg, world)))
+        weights[stage] = {}
+        for name, p in model.named_parameters():
+            with deepspeed.zero.GatheredParameters([p]) if hasattr(p, "ds_id") else torch.no_grad():
+                weights[stage][name] = p.detach().clone()
+    if rank == 0:
+        torch.save(weights, out)
+
+
+def test_random_init_is_the_same_for_every_stage_and_world_size(tmp_path):
+    run_ranks(_init_weights_by_stage, 2, str(tmp_path / "w2.pt"))
+    run_ranks(_init_weights_by_stage, 1, str(tmp_path / "w1.pt"))  # world 1 runs zero3 as ZeRO-2
+    w2, w1 = torch.load(tmp_path / "w2.pt"), torch.load(tmp_path / "w1.pt")
+    ref = w1["zero2"]
+    for weights in (w2["zero3"], w2["zero2"], w1["zero3"]):
+        assert weights.keys() == ref.keys()
+        assert all(torch.equal(weights[n], ref[n]) for n in ref)
+    q = ref["model.layers.0.self_attn.q_proj.weight"]
+    assert abs(q.std().item() - 0.02) < 0.002 and torch.equal(ref["model.norm.weight"], torch.ones_like(ref["model.norm.weight"]))
