@@ -14,6 +14,7 @@ The choice is logged once per process per (backend, device type).
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 from typing import Callable, Optional
 
@@ -35,39 +36,35 @@ def sdpa_attention(q_BShD, k_BShD, v_BShD, *, causal: bool, softmax_scale: Optio
     return out_BhSD.transpose(1, 2)
 
 
+# optional GPU kernels: (module, function, what to install), imported on first use
+_OPTIONAL = {"flash_attn": ("flash_attn", "flash_attn_func", "flash-attn (the 'gpu' extra)"),
+             "fa4": ("flash_attn.cute", "flash_attn_func", "flash-attn-4 (flash_attn.cute)")}
+
+
 @functools.lru_cache(maxsize=None)
-def _flash_attn_func() -> Optional[Callable]:
+def _optional_func(backend: str) -> Optional[Callable]:
+    module, name, _ = _OPTIONAL[backend]
     try:
-        from flash_attn import flash_attn_func  # optional GPU extra
+        return getattr(importlib.import_module(module), name)
     except Exception:  # ImportError, or a broken CUDA build: both mean "not usable here"
         return None
-    return flash_attn_func
+
+
+def _require(backend: str) -> Callable:
+    fn = _optional_func(backend)
+    if fn is None:
+        raise UnsupportedError(f"attention backend {backend!r} requested but {_OPTIONAL[backend][2]} is not "
+                               "importable; install it on the GPU machine or set model.attn_backend=sdpa")
+    return fn
 
 
 def flash_attention(q_BShD, k_BShD, v_BShD, *, causal: bool, softmax_scale: Optional[float]):
-    fn = _flash_attn_func()
-    if fn is None:
-        raise UnsupportedError("attention backend 'flash_attn' requested but flash-attn is not importable; "
-                               "install the 'gpu' extra or set model.attn_backend=sdpa")
-    return fn(q_BShD, k_BShD, v_BShD, causal=causal, softmax_scale=softmax_scale)
-
-
-@functools.lru_cache(maxsize=None)
-def _fa4_func() -> Optional[Callable]:
-    try:
-        from flash_attn.cute import flash_attn_func  # optional GPU extra (flash-attn-4)
-    except Exception:
-        return None
-    return flash_attn_func
+    return _require("flash_attn")(q_BShD, k_BShD, v_BShD, causal=causal, softmax_scale=softmax_scale)
 
 
 def fa4_attention(q_BShD, k_BShD, v_BShD, *, causal: bool, softmax_scale: Optional[float]):
-    fn = _fa4_func()
-    if fn is None:
-        raise UnsupportedError("attention backend 'fa4' requested but flash-attn-4 (flash_attn.cute) is not "
-                               "importable; install it on the GPU machine or set model.attn_backend=sdpa")
     kwargs = {} if softmax_scale is None else {"softmax_scale": softmax_scale}
-    out = fn(q_BShD, k_BShD, v_BShD, causal=causal, **kwargs)
+    out = _require("fa4")(q_BShD, k_BShD, v_BShD, causal=causal, **kwargs)
     return out[0] if isinstance(out, tuple) else out  # FA4 returns (out, lse)
 
 
@@ -81,7 +78,7 @@ def resolve_backend(name: str, device_type: str) -> str:
     if name == "auto":
         name = "sdpa"
         if device_type == "cuda":
-            name = "fa4" if _fa4_func() is not None else "flash_attn" if _flash_attn_func() is not None else "sdpa"
+            name = next((b for b in ("fa4", "flash_attn") if _optional_func(b) is not None), "sdpa")
     _log_choice(name, device_type)
     return name
 

@@ -73,7 +73,7 @@ def test_generate_is_refused_under_cp():
 
 def test_flash_attn_missing_is_reported():
     q = torch.randn(1, 4, 2, 8)
-    with pytest.raises(UnsupportedError, match="flash-attn is not importable.*attn_backend=sdpa"):
+    with pytest.raises(UnsupportedError, match="flash-attn .the .gpu. extra. is not importable.*attn_backend=sdpa"):
         local_attention("flash_attn", q, q, q)
 
 
