@@ -134,3 +134,13 @@ def test_real_launcher_smoke(tmp_path, launcher):
     assert [r["step"] for r in rows] == [1, 2]
     assert (out / "hf_export" / "model.safetensors").exists() and (out / "loss.png").exists()
     assert f"hf_export: {out / 'hf_export'}" in proc.stdout
+
+
+def test_bf16_run_tracks_the_fp32_run(tmp_path):
+    # bf16 weights and activations with DeepSpeed's fp32 master copy: same trajectory within bf16 rounding
+    extra = ["parallelism.cp=2", "trainer.max_steps=3"]
+    fp32 = train(tmp_path, "fp32", 2, extra)
+    bf16 = train(tmp_path, "bf16", 2, extra + ["precision=bf16"])
+    for a, b in zip(bf16, fp32):
+        assert _rel(a["loss"], b["loss"]) < 2e-2, (a["loss"], b["loss"])  # bf16 has 8 mantissa bits
+        assert a["loss"] != b["loss"]  # and it really ran in bf16
