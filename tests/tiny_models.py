@@ -1,6 +1,6 @@
 """Tiny HF causal LMs built from config (no downloads), shared by the tests."""
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
               num_attention_heads=8, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
@@ -8,8 +8,9 @@ COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_la
 
 
 def tiny_config(family: str, **overrides):
-    cls = {"llama": LlamaConfig, "qwen3": Qwen3Config}[family]
-    return cls(**{**COMMON, **overrides})
+    cls = {"llama": LlamaConfig, "qwen3": Qwen3Config, "qwen2": Qwen2Config, "mistral": MistralConfig}[family]
+    extra = {"sliding_window": None} if family == "mistral" else {}  # Mistral >= v0.2: full attention
+    return cls(**{**COMMON, **extra, **overrides})
 
 
 def tiny_model(family: str, seed: int = 0, attn="sdpa", **overrides):
