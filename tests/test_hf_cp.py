@@ -64,7 +64,7 @@ def _check(rank, world, family, chunk):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2", "mistral"])  # qwen2: q/k/v biases
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2", "mistral", "qwen3_moe"])  # qwen2: q/k/v biases
 def test_cp_model_matches_unsplit(world, family):
     run_ranks(_check, world, family, 3)   # chunk of 3 tokens: several loss chunks per rank
 

@@ -1,6 +1,6 @@
 """Tiny HF causal LMs built from config (no downloads), shared by the tests."""
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
 COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
               num_attention_heads=8, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
@@ -8,8 +8,11 @@ COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_la
 
 
 def tiny_config(family: str, **overrides):
-    cls = {"llama": LlamaConfig, "qwen3": Qwen3Config, "qwen2": Qwen2Config, "mistral": MistralConfig}[family]
+    cls = {"llama": LlamaConfig, "qwen3": Qwen3Config, "qwen2": Qwen2Config, "mistral": MistralConfig,
+           "qwen3_moe": Qwen3MoeConfig}[family]
     extra = {"sliding_window": None} if family == "mistral" else {}  # Mistral >= v0.2: full attention
+    if family == "qwen3_moe":
+        extra = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}
     return cls(**{**COMMON, **extra, **overrides})
 
 
