@@ -8,6 +8,7 @@ the step number, DeepSpeed's optimizer/scheduler state and the RNG states are al
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
@@ -29,13 +30,38 @@ def latest_tag(out_dir: Path) -> Optional[str]:
     return path.read_text().strip() if path.exists() else None
 
 
-def save(engine, out_dir: Path, step: int, rank: int) -> str:
+# the settings a resumed run must share with the run that wrote the checkpoint, or its trajectory silently
+# becomes another run's: the weights' shape and source, the data and its order, the batch
+RESUME_KEYS = ("model", "data", "run.seed", "trainer.global_batch_size", "precision")
+
+
+def _pick(config: dict, dotted: str):
+    for part in dotted.split("."):
+        config = config[part]
+    return config
+
+
+def resume_fingerprint(config: dict) -> dict:
+    return {key: _pick(config, key) for key in RESUME_KEYS}
+
+
+def check_resume_compatible(saved: dict, current: dict) -> None:
+    diffs = [key for key in RESUME_KEYS if saved.get(key) != current.get(key)]
+    if diffs:
+        detail = "; ".join(f"{k}: checkpoint {saved.get(k)!r} vs now {current.get(k)!r}" for k in diffs)
+        raise RuntimeError(f"the checkpoint in run.out_dir was written by a different run ({detail}). Resuming would "
+                           "silently continue another trajectory: use a new run.out_dir or trainer.resume=false")
+
+
+def save(engine, out_dir: Path, step: int, rank: int, fingerprint: dict | None = None) -> str:
     tag = f"step_{step:08d}"
     root = ckpt_root(out_dir)
     engine.save_checkpoint(str(root), tag=tag, client_state={"step": step}, save_latest=False)
     rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
     torch.save(rng, root / tag / f"rng_rank{rank}.pt")
+    if rank == 0 and fingerprint is not None:
+        (root / tag / "resume_fingerprint.json").write_text(json.dumps(fingerprint, indent=1, sort_keys=True))
     dist.barrier()
     if rank == 0:
         tmp = root / "latest.tmp"
@@ -44,6 +70,13 @@ def save(engine, out_dir: Path, step: int, rank: int) -> str:
         log.info("checkpoint %s saved", tag)
     dist.barrier()
     return tag
+
+
+def check_resume(out_dir: Path, tag: str, fingerprint: dict) -> None:
+    """Refuse, before any model is built, to resume a checkpoint written with other settings."""
+    saved = ckpt_root(out_dir) / tag / "resume_fingerprint.json"
+    if saved.exists():
+        check_resume_compatible(json.loads(saved.read_text()), json.loads(json.dumps(fingerprint)))
 
 
 def load(engine, out_dir: Path, tag: str, rank: int) -> int:

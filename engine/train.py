@@ -42,6 +42,12 @@ def train(cfg: TrainConfig, plan: Plan, rt: Runtime) -> dict:
     if rt.is_main:
         log.info("data: %s", stats.summary())
 
+    # --- resume point, checked before the model is built (refused if written with other model, data, seed or batch)
+    fingerprint = checkpoint.resume_fingerprint(dataclasses.asdict(cfg))
+    tag = checkpoint.latest_tag(out_dir) if cfg.trainer.resume else None
+    if tag is not None:
+        checkpoint.check_resume(out_dir, tag, fingerprint)
+
     # --- model and engine
     engine, hf, scale = build(cfg, plan, topo, rt.device)
     num_params = count_params(hf)
@@ -49,7 +55,6 @@ def train(cfg: TrainConfig, plan: Plan, rt: Runtime) -> dict:
 
     # --- resume
     start = 0
-    tag = checkpoint.latest_tag(out_dir) if cfg.trainer.resume else None
     if tag is not None:
         start = checkpoint.load(engine, out_dir, tag, rt.rank)
         if rt.is_main:
@@ -75,7 +80,7 @@ def train(cfg: TrainConfig, plan: Plan, rt: Runtime) -> dict:
             if cfg.trainer.gc_every and (step + 1) % cfg.trainer.gc_every == 0:
                 gc.collect()
             if cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0:
-                checkpoint.save(engine, out_dir, step + 1, rt.rank)
+                checkpoint.save(engine, out_dir, step + 1, rt.rank, fingerprint)
     finally:
         tracker.close()
         gc.enable()
@@ -85,7 +90,7 @@ def train(cfg: TrainConfig, plan: Plan, rt: Runtime) -> dict:
     # --- end of run: checkpoint, HF export, loss plot
     outputs = {"metrics": str(out_dir / "metrics.jsonl")}
     if cfg.trainer.save_at_end and checkpoint.latest_tag(out_dir) != f"step_{stop:08d}":
-        checkpoint.save(engine, out_dir, stop, rt.rank)
+        checkpoint.save(engine, out_dir, stop, rt.rank, fingerprint)
     if cfg.trainer.export_hf:
         outputs["hf_export"] = str(checkpoint.export_hf(engine, hf, out_dir / "hf_export", rt.rank, tokenizer))
     if rt.is_main and (out_dir / "metrics.jsonl").exists():

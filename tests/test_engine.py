@@ -83,6 +83,13 @@ def test_resume_continues_the_same_trajectory(tmp_path):
         assert got["loss"] == ref["loss"] and got["grad_norm"] == ref["grad_norm"], (got, ref)
 
 
+def test_resume_refuses_a_checkpoint_of_another_run(tmp_path):
+    extra = ["parallelism.cp=2", "trainer.max_steps=2", "trainer.save_at_end=true"]
+    train(tmp_path, "other", 2, extra)
+    with pytest.raises(Exception, match="written by a different run .*trainer.global_batch_size: checkpoint 4 vs now 8"):
+        train(tmp_path, "other", 2, extra + ["trainer.max_steps=4", "trainer.global_batch_size=8"])
+
+
 def test_hf_export_reloads_with_the_trained_weights(tmp_path):
     train(tmp_path, "export", 2, ["parallelism.cp=2", "trainer.max_steps=2", "trainer.export_hf=true",
                                   "trainer.save_at_end=true"])
