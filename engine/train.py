@@ -24,6 +24,7 @@ from .distributed import Runtime
 from .flops import count_params, detect_peak_tflops, step_flops
 from .hf_config import hf_config_of
 from .plot import plot_loss
+from .preemption import Preemption
 from .step import train_step
 from .tracking import Tracker
 
@@ -65,6 +66,7 @@ def train(cfg: TrainConfig, plan: Plan, rt: Runtime) -> dict:
     # automatic GC pauses one rank at a random moment and stalls every collective; collect together instead
     gc.disable()
     stop = min(cfg.trainer.max_steps, cfg.trainer.stop_after_steps or cfg.trainer.max_steps)
+    preemption = Preemption()
     try:
         for step in range(start, stop):
             micro_batches = [collate([dataset[i] for i in idx], cfg.data.seq_len, pad_id)
@@ -81,8 +83,13 @@ def train(cfg: TrainConfig, plan: Plan, rt: Runtime) -> dict:
                 gc.collect()
             if cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0:
                 checkpoint.save(engine, out_dir, step + 1, rt.rank, fingerprint)
+            if step + 1 < stop and preemption.agreed(rt.device):
+                if checkpoint.latest_tag(out_dir) != f"step_{step + 1:08d}":
+                    checkpoint.save(engine, out_dir, step + 1, rt.rank, fingerprint)
+                return {"preempted_at": step + 1}
     finally:
         tracker.close()
+        preemption.restore()
         gc.enable()
     if stop < cfg.trainer.max_steps:  # stopped early on purpose (tests of resume): no final save/export
         return {"stopped_at": stop}

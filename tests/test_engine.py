@@ -90,6 +90,31 @@ def test_resume_refuses_a_checkpoint_of_another_run(tmp_path):
         train(tmp_path, "other", 2, extra + ["trainer.max_steps=4", "trainer.global_batch_size=8"])
 
 
+def _run_signalled_after_step_2(rank, world, overrides):
+    import os
+    import signal
+    import engine.train as loop
+    real_step = loop.train_step
+    calls = []
+
+    def step_then_signal(*args, **kwargs):
+        result = real_step(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == 2 and rank == world - 1:  # only one rank is signalled; all must stop together
+            os.kill(os.getpid(), signal.SIGTERM)
+        return result
+    loop.train_step = step_then_signal
+    _run(rank, world, overrides)
+
+
+def test_sigterm_checkpoints_and_stops_all_ranks_at_the_same_step(tmp_path):
+    out = tmp_path / "preempted"
+    run_ranks(_run_signalled_after_step_2, 2, BASE + [f"run.out_dir={out}", "parallelism.cp=2"])
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000002"
+
+
 def test_hf_export_reloads_with_the_trained_weights(tmp_path):
     train(tmp_path, "export", 2, ["parallelism.cp=2", "trainer.max_steps=2", "trainer.export_hf=true",
                                   "trainer.save_at_end=true"])
