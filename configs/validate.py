@@ -44,6 +44,7 @@ def validate(cfg: TrainConfig, world_size: int) -> Plan:
     _check_choices(cfg)
     _check_model(cfg.model)
     _check_data(cfg.data)
+    _check_positions(cfg)
     _check_trainer(cfg.trainer)
     _check_memory(cfg.memory, cfg.model.arch)
     _check_deepspeed(cfg)
@@ -160,6 +161,17 @@ def _check_data(data: DataConfig) -> None:
         "set e.g. data.masked_fraction=0.25",
     )
     _require(data.num_samples >= 1, f"data.num_samples={data.num_samples} must be >= 1")
+
+
+def _check_positions(cfg: TrainConfig) -> None:
+    # positions past what the model was built for silently extrapolate RoPE; known only when arch says it
+    limit = cfg.model.arch.get("max_position_embeddings")
+    padded = -(-cfg.data.seq_len // cfg.parallelism.cp) * cfg.parallelism.cp if cfg.parallelism.cp >= 1 else cfg.data.seq_len
+    _require(
+        not limit or padded <= limit,
+        f"data.seq_len={cfg.data.seq_len} (padded to {padded} for cp) exceeds model.arch.max_position_embeddings="
+        f"{limit}; shorten data.seq_len or raise model.arch.max_position_embeddings (RoPE will extrapolate)",
+    )
 
 
 def _check_trainer(t: TrainerConfig) -> None:

@@ -379,3 +379,9 @@ def test_budget_probe_numbers_come_in_pairs():
     with pytest.raises(ConfigError, match=r"memory.probe_none_gib=50.0 and memory.probe_full_gib=0.0: give both"):
         validate(compose_config(["memory=budget", "memory.probe_none_gib=50"]), 2)
     validate(compose_config(["memory=budget", "memory.probe_none_gib=50", "memory.probe_full_gib=10"]), 2)
+
+
+def test_seq_len_beyond_the_position_table_is_refused():
+    with pytest.raises(ConfigError, match=r"data.seq_len=5000 .padded to 5000 for cp. exceeds "
+                                          r"model.arch.max_position_embeddings=4096; shorten data.seq_len"):
+        validate(compose_config(["data.seq_len=5000"]), 2)
