@@ -129,7 +129,9 @@ def _metrics(step, result, lr, dt, rt: Runtime, plan: Plan, num_params, hf_confi
 
 def _memory(device: torch.device) -> tuple[float, float]:
     if device.type != "cuda":
-        return 0.0, 0.0
+        import resource  # CPU runs: the process's peak resident memory (Linux reports KiB)
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        return rss, rss
     return torch.cuda.max_memory_allocated(device) / 2**30, torch.cuda.max_memory_reserved(device) / 2**30
 
 
