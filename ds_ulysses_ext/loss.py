@@ -18,10 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from .batch import IGNORE_INDEX
 from .comm import all_reduce_sum
 from .topology import Topology
-
-IGNORE_INDEX = -100
 
 
 def _chunk_ce_sum(lm_head: torch.nn.Module, hidden_CH: torch.Tensor, labels_C: torch.Tensor) -> torch.Tensor:

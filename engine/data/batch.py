@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from .errors import DataError
+from ds_ulysses_ext import IGNORE_INDEX  # one definition: the label shift and the loss use it too
 
-IGNORE_INDEX = -100
+from .errors import DataError
 
 
 def collate(samples: list[dict], seq_len: int, pad_id: int) -> dict:
