@@ -84,7 +84,7 @@ def _first_forward_check(state: CPState):
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         inputs = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
         position_ids = kwargs.get("position_ids")
-        cp, cp_rank = state.topology.cp_size, state.topology.cp_rank
+        cp = state.topology.cp_size
         if position_ids is None:
             raise UnsupportedError("under context parallelism the model needs global position_ids; "
                                    "feed the batch produced by shard_batch()")

@@ -30,7 +30,7 @@ def model_dtype(cfg: TrainConfig) -> torch.dtype:
 
 
 def build_hf_model(cfg: TrainConfig, ds_dict: dict):
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
     _HF_DS_CONFIG.clear()  # a previous build's ZeRO-3 config must not leak into a ZeRO-2 build
     if ds_dict["zero_optimization"]["stage"] == 3:

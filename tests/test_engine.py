@@ -7,7 +7,6 @@ every 4th sample, so chunks that hold only masked targets occur.
 """
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys

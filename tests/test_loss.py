@@ -1,11 +1,10 @@
 """CP loss pieces: chunked logits+loss and the autograd CP-group sum, against single-process references."""
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from dist_harness import run_ranks
-from ds_ulysses_ext import IGNORE_INDEX, chunked_lm_loss_sum, cp_sum, init_topology, shard_batch
+from ds_ulysses_ext import IGNORE_INDEX, chunked_lm_loss_sum, cp_sum, init_topology
 
 RTOL = 1e-5
 
