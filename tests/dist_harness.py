@@ -4,10 +4,16 @@ Processes are forked (0.1 s instead of 2 s per spawn; research/stack.md section 
 DS_ULYSSES_TEST_START=spawn to fall back to spawn if a test misbehaves under fork. Each rank uses one
 thread, a file-store rendezvous (no ports) and a 60 s collective timeout so a mismatched collective
 fails instead of hanging. A failing rank's exception fails the test.
+
+Gloo's TCP mesh set-up inside `new_group` failed once in CI ("connectFullMesh failed ... Connection
+closed by peer", 1 run in ~280 on a 2-core machine; not reproduced in 40 local repeats). That is the
+transport's rendezvous, before any code under test computes anything, so a run that dies with exactly
+that message is started again once, with a note on stderr. Every other failure fails the test at once.
 """
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from datetime import timedelta
 
@@ -35,8 +41,19 @@ def _entry(rank, fn, world_size, store, args):
         dist.destroy_process_group()
 
 
+_TRANSPORT_SETUP_FLAKE = "Gloo connectFullMesh failed"
+
+
 def run_ranks(fn, world_size: int, *args) -> None:
     start = os.environ.get("DS_ULYSSES_TEST_START", "fork")
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_entry, args=(fn, world_size, os.path.join(tmp, "store"), args),
-                           nprocs=world_size, join=True, start_method=start)
+    for attempt in (1, 2):
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                mp.start_processes(_entry, args=(fn, world_size, os.path.join(tmp, "store"), args),
+                                   nprocs=world_size, join=True, start_method=start)
+                return
+            except mp.ProcessRaisedException as err:
+                if attempt == 2 or _TRANSPORT_SETUP_FLAKE not in str(err):
+                    raise
+                print(f"dist_harness: gloo mesh set-up failed at world {world_size}; starting the "
+                      f"ranks again once:\n{err}", file=sys.stderr)
