@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass
 
-RECOMPUTE_POLICIES = ("none", "full", "block", "selective", "budget")
+RECOMPUTE_POLICIES = ("none", "full", "block", "selective", "budget", "except_attention")
 RECOMPUTE_METHODS = ("uniform", "block")
 
 
@@ -10,9 +10,12 @@ RECOMPUTE_METHODS = ("uniform", "block")
 class MemoryConfig:
     # none: keep all activations; full: recompute every decoder layer; block: recompute only
     # recompute_num_layers layers; selective: keep matmul and all-to-all outputs, recompute the cheap ops;
-    # budget: recompute as little as fits the peak in budget_gib.
+    # budget: recompute as little as fits the peak in budget_gib; except_attention: recompute every layer
+    # but keep its core attention (never re-run), the fast long-context policy.
     recompute: str = "none"
-    recompute_num_layers: int = 0  # recompute=block: how many decoder layers are recomputed
+    # recompute=block: how many decoder layers are recomputed; recompute=except_attention: how many layers
+    # are recomputed whole, attention included (0 = none; raise it when keeping every attention does not fit)
+    recompute_num_layers: int = 0
     recompute_method: str = "uniform"  # recompute=block: uniform = spread over depth; block = the first N layers
     budget_gib: float = 0.0  # recompute=budget: target peak GPU memory in GiB
     # recompute=budget: the probe, i.e. peak_mem_gib of one step with memory=none and with memory=full_recompute

@@ -206,6 +206,14 @@ def _check_memory(mem: MemoryConfig, arch: Mapping[str, Any]) -> None:
             f"memory.recompute=block needs memory.recompute_num_layers >= 1{upper}, got "
             f"{mem.recompute_num_layers}; set memory.recompute_num_layers (or use memory=full_recompute)",
         )
+    if mem.recompute == "except_attention":
+        num_layers = arch.get("num_hidden_layers")
+        upper = f" and <= model.arch.num_hidden_layers={num_layers}" if num_layers else ""
+        _require(
+            mem.recompute_num_layers >= 0 and (not num_layers or mem.recompute_num_layers <= num_layers),
+            f"memory.recompute=except_attention takes memory.recompute_num_layers >= 0{upper} (layers "
+            f"recomputed whole, attention included), got {mem.recompute_num_layers}",
+        )
     _require(
         not mem.selective_kept or mem.recompute in ("block", "budget"),
         f"memory.selective_kept=true only applies to memory.recompute=block or budget, got "

@@ -50,8 +50,12 @@ def _cp_attention(module, query, key, value, attention_mask, scaling=None, dropo
     q_BsHD, k_BsHD, v_BsHD = (t.transpose(1, 2) for t in (query, key, value))
     # right padding only (shard_batch enforces it), so a causal kernel needs no mask: real tokens never
     # attend to the trailing pads, and HF builds no mask for a custom attention name.
-    out = ulysses_attention(q_BsHD, k_BsHD, v_BsHD, group=state.topology.cp_group, causal=True,
-                            softmax_scale=scaling, backend=state.backend)
+    def core():
+        return ulysses_attention(q_BsHD, k_BsHD, v_BsHD, group=state.topology.cp_group, causal=True,
+                                 softmax_scale=scaling, backend=state.backend)
+    # a memory policy may own how the core runs (memory/except_attention.py keeps it out of recompute)
+    wrapper = module.__dict__.get("core_attention_wrapper")
+    out = core() if wrapper is None else wrapper(core)
     if not state.verified:
         _verify_once(state, q_BsHD.shape[1])
     return out, None

@@ -280,7 +280,7 @@ REFUSALS = [
         "recompute",
         ["memory.recompute=some"],
         2,
-        r"memory\.recompute=some is not one of \{none, full, block, selective, budget\}; set memory\.recompute",
+        r"memory\.recompute=some is not one of \{none, full, block, selective, budget, except_attention\}; set memory\.recompute",
     ),
     ("recompute_method", ["memory.recompute_method=random"], 2, r"memory\.recompute_method=random is not one of"),
     (

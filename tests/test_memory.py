@@ -21,7 +21,8 @@ from omegaconf import OmegaConf
 from configs.memory import MemoryConfig
 from dist_harness import patch_deepspeed_shm_build, run_ranks
 from ds_ulysses_ext import CPCausalLM, enable_context_parallel, init_topology, shard_batch, shift_labels
-from ds_ulysses_ext.memory import (BlockRecompute, BudgetRecompute, FullRecompute, NoRecompute,
+from ds_ulysses_ext.memory import (BlockRecompute, BudgetRecompute, ExceptAttentionRecompute, FullRecompute,
+                                   NoRecompute,
                                    OffloadActivations, ProbeResult, SelectiveRecompute, TiledMLP,
                                    allocator_env, apply_memory_policies, build_memory_policies,
                                    choose_recompute_layers, measure_probe, memory_report, remove_all)
@@ -52,6 +53,10 @@ CASES = {
                                 NORMS + ["hf.model.norm", "hf.model"] + MLPS),
     "selective_block_tiled": (lambda: [SelectiveRecompute(), BlockRecompute(2, "uniform"), TiledMLP(TILE)],
                               NORMS + ["hf.model.norm", LAYER.format(0), LAYER.format(2)] + MLPS),
+    "except_attention": (lambda: [ExceptAttentionRecompute()], [LAYER.format(i) for i in range(LAYERS)]),
+    "except_attention_full2_tiled_offload": (
+        lambda: [ExceptAttentionRecompute(2, "uniform"), TiledMLP(TILE), OffloadActivations(min_bytes=0)],
+        [LAYER.format(i) for i in range(LAYERS)] + ["hf.model"] + MLPS),
 }
 
 
@@ -114,6 +119,13 @@ def test_policy_is_exact_and_removable(case):
     assert all(torch.equal(g, ref_grads[n]) for n, g in grads.items())
 
 
+_PACK = []  # the active _saved_bytes pack function, so tensors kept outside the checkpoint count as well
+
+
+def _count_kept(t):
+    return _PACK[-1](t) if _PACK else t
+
+
 def _saved_bytes(lm, local):
     """Bytes of distinct storages the autograd graph keeps after forward (parameters excluded)."""
     storages = {}
@@ -124,24 +136,32 @@ def _saved_bytes(lm, local):
             storages[s.data_ptr()] = s.nbytes()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss_sum, _ = lm(**local)
+    _PACK.append(pack)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss_sum, _ = lm(**local)
+    finally:
+        _PACK.pop()
     loss_sum.backward()
     return sum(storages.values())
 
 
-def test_policies_keep_fewer_saved_bytes():
+def test_policies_keep_fewer_saved_bytes(monkeypatch):
+    # except_attention keeps the attention's tensors under its own (innermost) hooks: count them too
+    import ds_ulysses_ext.memory.except_attention as except_attention
+    monkeypatch.setattr(except_attention, "_keep", lambda t: _count_kept(t))
     topo = init_topology(1)
     lm = _lm(topo)
     local = shard_batch(dict(zip(("input_ids", "labels"), _batch(seq_len=64))), topo)
     saved = {}
-    for case in ("none", "full", "block_uniform", "selective", "tiled"):
+    for case in ("none", "full", "block_uniform", "selective", "tiled", "except_attention"):
         policies = [p.apply(lm.hf) for p in CASES[case][0]()]
         saved[case] = _saved_bytes(lm, local)
         remove_all(policies)
     assert saved["full"] < saved["block_uniform"] < saved["none"], saved
     assert saved["selective"] < saved["none"], saved
     assert saved["tiled"] < saved["none"], saved
+    assert saved["full"] < saved["except_attention"] < saved["selective"], saved
 
 
 def test_offload_moves_activations_not_parameters():
@@ -189,6 +209,68 @@ def test_wrong_order_is_refused_and_leaves_no_patch():
     assert _snapshot(lm) == before
 
 
+# ---------------------------------------------------------------- except_attention
+def _count_attention_calls(lm, monkeypatch):
+    import ds_ulysses_ext.integrate as integrate
+    calls = [0]
+    real = integrate.ulysses_attention
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+    monkeypatch.setattr(integrate, "ulysses_attention", counting)
+    return calls
+
+
+@pytest.mark.parametrize("full_layers, backward_calls", [(0, 0), (1, 1), (LAYERS, LAYERS)])
+def test_except_attention_never_reruns_the_kept_attention(monkeypatch, full_layers, backward_calls):
+    topo = init_topology(1)
+    lm = _lm(topo)
+    local = shard_batch(dict(zip(("input_ids", "labels"), _batch())), topo)
+    policy = ExceptAttentionRecompute(full_layers).apply(lm.hf)
+    calls = _count_attention_calls(lm, monkeypatch)
+    norm_calls = []
+    lm.hf.model.layers[0].input_layernorm.register_forward_hook(lambda *a: norm_calls.append(1))
+    loss_sum, _ = lm(**local)
+    assert calls[0] == LAYERS and len(norm_calls) == 1
+    loss_sum.backward()
+    assert calls[0] == LAYERS + backward_calls, calls  # only the layers recomputed whole re-run attention
+    assert len(norm_calls) == 2                         # while every layer's other work is recomputed
+    policy.remove()
+
+
+def test_except_attention_two_forwards_before_one_backward():
+    # each layer call replays its own recorded attention (a DPO-style loss over two batches)
+    topo = init_topology(1)
+    lm = _lm(topo)
+    first = shard_batch(dict(zip(("input_ids", "labels"), _batch(13))), topo)
+    second = shard_batch(dict(zip(("input_ids", "labels"), _batch(9))), topo)
+
+    def two(lm):
+        lm.zero_grad(set_to_none=True)
+        (lm(**first)[0] - 0.5 * lm(**second)[0]).backward()
+        return {n: p.grad.clone() for n, p in lm.named_parameters()}
+    ref = two(lm)
+    policy = ExceptAttentionRecompute().apply(lm.hf)
+    got = two(lm)
+    policy.remove()
+    _assert_close_dicts(got, ref, ("two forwards",))
+
+
+def test_except_attention_refuses_other_attention_and_a_bypassed_kernel():
+    model = tiny_model("llama", num_hidden_layers=LAYERS)  # stock sdpa attention
+    with pytest.raises(ValueError, match="needs the 'ds_ulysses' attention.*enable_context_parallel"):
+        ExceptAttentionRecompute().apply(model)
+    assert not any("forward" in m.__dict__ for m in model.modules())  # a refused apply leaves no patch
+    topo = init_topology(1)
+    lm = _lm(topo)
+    ExceptAttentionRecompute().apply(lm.hf)
+    lm.hf.set_attn_implementation("sdpa")  # switched behind the policy's back
+    local = shard_batch(dict(zip(("input_ids", "labels"), _batch())), topo)
+    with pytest.raises(RuntimeError, match="never reached the ds_ulysses attention"):
+        lm(**local)
+
+
 # ---------------------------------------------------------------- budget decision
 def test_choose_recompute_layers_from_recorded_probe(caplog):
     # recorded by hand: a 16-layer model whose step peaks at 118.4 GiB without and 46.0 GiB with full recompute
@@ -232,7 +314,8 @@ def test_every_memory_preset_builds_and_applies(preset):
     lm = _lm(topo)
     kinds = [type(p).__name__ for p in build_memory_policies(cfg, lm.hf)]
     expected = {"none": "NoRecompute", "full": "FullRecompute", "block": "BlockRecompute",
-                "selective": "SelectiveRecompute", "budget": "BudgetRecompute"}[cfg.recompute]
+                "selective": "SelectiveRecompute", "budget": "BudgetRecompute",
+                "except_attention": "ExceptAttentionRecompute"}[cfg.recompute]
     assert kinds == (["SelectiveRecompute"] * cfg.selective_kept + [expected] + ["TiledMLP"] * cfg.tiled_mlp
                      + ["OffloadActivations"] * cfg.offload_activations)
     before = _snapshot(lm)
@@ -258,6 +341,8 @@ A2A_CASES = {  # name -> (policies, all-to-alls in backward); forward always iss
     "block_uniform": (lambda: [BlockRecompute(2, "uniform")], 3 * LAYERS + 3 * 2),
     "selective": (lambda: [SelectiveRecompute()], 3 * LAYERS),  # only the 3 adjoints per layer
     "tiled_offload": (lambda: [TiledMLP(TILE), OffloadActivations(min_bytes=0)], 3 * LAYERS),
+    "except_attention": (lambda: [ExceptAttentionRecompute()], 3 * LAYERS),  # attention is never re-run
+    "except_attention_full2": (lambda: [ExceptAttentionRecompute(2, "block"), TiledMLP(TILE)], 3 * LAYERS + 3 * 2),
 }
 
 
@@ -327,6 +412,9 @@ ZERO3_CASES = {  # name -> (policies, sequence lengths); 26 gives 13 local token
     "block_offload_tiled": (lambda: [BlockRecompute(2, "uniform"), TiledMLP(TILE), OffloadActivations(min_bytes=0)],
                             (26, 32)),
     "selective_block_tiled": (lambda: [SelectiveRecompute(), BlockRecompute(2, "uniform"), TiledMLP(TILE)], (26,)),
+    "except_attention": (lambda: [ExceptAttentionRecompute()], (26, 32)),
+    "except_attention_full1_tiled_offload": (
+        lambda: [ExceptAttentionRecompute(1), TiledMLP(TILE), OffloadActivations(min_bytes=0)], (26,)),
 }
 LR = 0.1
 

@@ -7,6 +7,7 @@ live in ds_ulysses_ext/loss.py. Importing this package has no side effects.
 from .allocator import allocator_env, memory_report
 from .budget import BudgetRecompute, ProbeResult, choose_recompute_layers, measure_probe
 from .build import apply_memory_policies, build_memory_policies
+from .except_attention import ExceptAttentionRecompute
 from .offload import OffloadActivations
 from .policy import MemoryPolicy, decoder_layers, remove_all
 from .recompute import (BlockRecompute, FullRecompute, NoRecompute, SelectiveRecompute,
@@ -14,6 +15,6 @@ from .recompute import (BlockRecompute, FullRecompute, NoRecompute, SelectiveRec
 from .tiling import TiledMLP
 
 __all__ = ["MemoryPolicy", "NoRecompute", "FullRecompute", "BlockRecompute", "SelectiveRecompute",
-           "BudgetRecompute", "ProbeResult", "choose_recompute_layers", "measure_probe",
+           "BudgetRecompute", "ExceptAttentionRecompute", "ProbeResult", "choose_recompute_layers", "measure_probe",
            "OffloadActivations", "TiledMLP", "build_memory_policies", "apply_memory_policies", "remove_all",
            "allocator_env", "memory_report", "decoder_layers", "recompute_layer_indices"]

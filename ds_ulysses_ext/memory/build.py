@@ -3,8 +3,8 @@
 Order of application (removal is the reverse, `remove_all`):
 0. with selective_kept (block/budget only): SelectiveRecompute on every layer, so the layers the
    recompute policy keeps still drop their element-wise activations;
-1. the recompute policy (none | full | block | selective | budget): wraps decoder layers, or for
-   selective the RMSNorms and the MLP forward;
+1. the recompute policy (none | full | block | selective | budget | except_attention): wraps decoder
+   layers, or for selective the RMSNorms and the MLP forward;
 2. TiledMLP: wraps each layer's MLP forward, on top of selective's (each tile then nests its
    checkpoint inside a recomputed layer under full/block recompute, which non-reentrant checkpoints
    support);
@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 
 from .budget import BudgetRecompute, ProbeResult
+from .except_attention import ExceptAttentionRecompute
 from .offload import OffloadActivations
 from .policy import MemoryPolicy, decoder_layers
 from .recompute import BlockRecompute, FullRecompute, NoRecompute, SelectiveRecompute
@@ -40,7 +41,10 @@ def _recompute_policy(memory_cfg, num_layers: int, probe: Optional[ProbeResult])
         return SelectiveRecompute()
     if kind == "budget":
         return BudgetRecompute(memory_cfg.budget_gib, probe)
-    raise ValueError(f"unknown memory.recompute={kind!r}; choose none, full, block, selective or budget")
+    if kind == "except_attention":
+        return ExceptAttentionRecompute(memory_cfg.recompute_num_layers, memory_cfg.recompute_method)
+    raise ValueError(f"unknown memory.recompute={kind!r}; choose none, full, block, selective, budget or "
+                     "except_attention")
 
 
 def build_memory_policies(memory_cfg, model: torch.nn.Module,

@@ -79,6 +79,12 @@ class MemoryPolicy:
         module.forward = new
         self._patches.append(_AttrPatch(module, "forward", new, previous))
 
+    def _set_attr(self, module: torch.nn.Module, attr: str, value: Any) -> None:
+        """Set an instance attribute that `remove` restores (e.g. attention's core_attention_wrapper)."""
+        previous = module.__dict__.get(attr, _MISSING)
+        setattr(module, attr, value)
+        self._patches.append(_AttrPatch(module, attr, value, previous))
+
     def _hook(self, handle: RemovableHandle) -> None:
         self._hooks.append(handle)
 
