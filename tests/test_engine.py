@@ -57,6 +57,9 @@ LAYOUTS = {  # name: (world, overrides)
     "w4_cp4": (4, ["parallelism.cp=4"]),
     "w4_cp2_dp2": (4, ["parallelism.cp=2"]),
     "w2_cp2_gas2": (2, ["parallelism.cp=2", "trainer.micro_batch_size=2"]),
+    # the long-context policy, with one layer recomputed whole, through the whole engine
+    "w4_cp2_dp2_gas2_except_attention": (4, ["parallelism.cp=2", "trainer.micro_batch_size=1",
+                                             "memory=except_attention", "memory.recompute_num_layers=1"]),
 }
 
 
