@@ -6,11 +6,16 @@
 # Parts:
 #   attn         ulysses_attention (group of 1) vs the backend directly, bf16 Hq32/Hkv8 D128, 32k + 128k
 #   train_short  Llama-3.2-1B shape, 16k/32k/64k: ours (full recompute, ZeRO-3) and stock HF (anchor 'hf')
-#   train_long   $LONG_POINTS (S:memory, default 128k and 256k with selective_tiled): ours and ALST (anchor 'alst')
+#   train_long   $LONG_POINTS (S:memory, default 128k and 256k with except_attention): ours and ALST (anchor 'alst')
+#   train_512k   one 512k step of ours (memory=except_attention_tiled) and of ALST (its measured maximum), no warm-up
 #   train_1m     one 1,048,576-token step of ours (memory=long_context); about 14 min at the measured 256k rate,
 #                which is over the device's 10-minute command limit on one H200
 #   train_1m_4l  the same 1M-token step with 4 of the 16 layers: GPU memory is set by one layer's working set
 #                plus offloaded inputs (host), so this shows whether 1M fits; time scales ~linearly with layers
+#   bg_1m_start  the full 16-layer 1M step (memory=$BG_MEMORY, default long_context) in a new process session
+#                (setsid), which outlives the command; it writes under /tmp/bg1m, not $OUT (emptied per command)
+#   bg_1m_wait   wait up to $WAIT_S (default 570) s for that run, then copy /tmp/bg1m into $OUT; call it again
+#                in the next command if it is still running (the machine must stay warm between the calls)
 # Needs: .whl/ (DeepSpeed 0.19.8 + hjson, pydantic(-core), annotated-types, typing-inspection, hydra-core,
 # omegaconf, antlr4 wheels) and .bench/anchor-bench; results under $OUT (default outputs/bench).
 set -u
@@ -28,8 +33,18 @@ for part in ${*:-attn train_short train_long}; do
     attn) python3 scripts/bench_attention.py --seqs 32768,131072 --reps 10 | tee -a "$OUT/attn.jsonl" ;;
     train_short) python3 scripts/bench_train.py --points 16384:full_recompute,32768:full_recompute,65536:full_recompute \
                    --anchors hf --steps 4 ;;
-    train_long) python3 scripts/bench_train.py --points ${LONG_POINTS:-131072:selective_tiled,262144:selective_tiled} \
+    train_long) python3 scripts/bench_train.py --points ${LONG_POINTS:-131072:except_attention,262144:except_attention} \
                   --anchors alst --steps ${LONG_STEPS:-3} ;;
+    train_512k) python3 scripts/bench_train.py --points 524288:except_attention_tiled --anchors alst --steps 1 \
+                  --timeout 420 ;;
+    bg_1m_start) mkdir -p /tmp/bg1m
+                 OUT=/tmp/bg1m setsid nohup bash -c "python3 scripts/bench_train.py --points \
+                   1048576:${BG_MEMORY:-long_context} --steps 1 --timeout 1700; touch /tmp/bg1m/done" \
+                   > /tmp/bg1m/log.txt 2>&1 < /dev/null &
+                 echo "started 1M in the background: /tmp/bg1m" ;;
+    bg_1m_wait) for _ in $(seq "${WAIT_S:-570}"); do [ -e /tmp/bg1m/done ] && break; sleep 1; done
+                cp -r /tmp/bg1m "$OUT/" 2>/dev/null; tail -5 /tmp/bg1m/log.txt
+                [ -e /tmp/bg1m/done ] && echo "1M run finished" || echo "1M run still running" ;;
     train_1m) python3 scripts/bench_train.py --points 1048576:long_context --steps 1 --timeout 580 ;;
     train_1m_4l) python3 scripts/bench_train.py --points 1048576:long_context --steps 1 --timeout 580 \
                    model.arch.num_hidden_layers=4 ;;
