@@ -7,6 +7,17 @@
 #   attn         ulysses_attention (group of 1) vs the backend directly, bf16 Hq32/Hkv8 D128, 32k + 128k
 #   train_short  Llama-3.2-1B shape, 16k/32k/64k: ours (full recompute, ZeRO-3) and stock HF (anchor 'hf')
 #   train_long   $LONG_POINTS (S:memory, default 128k and 256k with except_attention): ours and ALST (anchor 'alst')
+#                $EXTRA: more Hydra overrides for our runs (e.g. model.attn_backend=fa4); $ANCHORS (default alst)
+#   site_fa4     pip-install the FA4 wheels of .fa4w/ (flash-attn-4, nvidia-cutlass-dsl meta/base/core, quack-kernels,
+#                apache-tvm-ffi, torch-c-dlpack-ext, einops) into the site folder; before site_cu13 (pip --upgrade
+#                replaces whole top-level folders)
+#   stash_cu13   copy .fa4a/cu13.tar.xz (nvidia-cutlass-dsl-libs-cu13's files, xz: 61 MiB; the wheel is 88 MiB,
+#                over the 64 MiB carry limit, and with .whl it still is) to /tmp/fa4a, which outlives the call
+#                on a warm machine. FA4 recipe: call 1 carries [.fa4a]: `stash_cu13 attn`; call 2 carries
+#                [.whl, .fa4w, .bench]: `site_fa4 site_cu13 fa4 ...` (that order: pip --upgrade replaces whole
+#                top-level folders, so installing the wheels after the unpack would delete it).
+#   site_cu13    unpack the cu13 archive (.fa4a/ or /tmp/fa4a/) into the site folder
+#   fa4          our attention with FlashAttention-4 vs SDPA (cuDNN), group of 1, D=64 (the 1B model) and D=128
 #   train_512k   one 512k step of ours (memory=except_attention_tiled) and of ALST (its measured maximum), no warm-up
 #   train_1m     one 1,048,576-token step of ours (memory=long_context); about 14 min at the measured 256k rate,
 #                which is over the device's 10-minute command limit on one H200
@@ -26,7 +37,8 @@ SITE=${BENCH_SITE:-/tmp/site}
 if [ -d .whl ] && [ ! -d "$SITE/deepspeed" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
 fi
-export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
+# a --target install skips .pth files: add nvidia_cutlass_dsl's (FA4) by hand
+export PYTHONPATH=$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
 for part in ${*:-attn train_short train_long}; do
   echo "=== $part $(date +%T)"
   case $part in
@@ -34,7 +46,17 @@ for part in ${*:-attn train_short train_long}; do
     train_short) python3 scripts/bench_train.py --points 16384:full_recompute,32768:full_recompute,65536:full_recompute \
                    --anchors hf --steps 4 ;;
     train_long) python3 scripts/bench_train.py --points ${LONG_POINTS:-131072:except_attention,262144:except_attention} \
-                  --anchors alst --steps ${LONG_STEPS:-3} ;;
+                  --anchors "${ANCHORS-alst}" --steps ${LONG_STEPS:-3} ${EXTRA:-} ;;
+    site_fa4) python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+                .fa4w/*.whl && echo "FA4 wheels installed into $SITE" ;;
+    stash_cu13) mkdir -p /tmp/fa4a && cp .fa4a/cu13.tar.xz /tmp/fa4a/ && echo "cu13 archive kept in /tmp/fa4a" ;;
+    site_cu13) tar -xJf "$([ -f .fa4a/cu13.tar.xz ] && echo .fa4a || echo /tmp/fa4a)/cu13.tar.xz" -C "$SITE" \
+                 && echo "cutlass-dsl cu13 libs unpacked into $SITE" ;;
+    fa4) python3 -c "import flash_attn.cute; print('flash_attn.cute imports')" 2>&1 | tail -2
+         for d in 64 128; do
+           python3 scripts/bench_attention.py --seqs 32768,131072 --reps 5 --head-dim $d --backend sdpa | tee -a "$OUT/attn.jsonl"
+           python3 scripts/bench_attention.py --seqs 32768,131072 --reps 5 --head-dim $d --backend fa4 | tee -a "$OUT/attn.jsonl"
+         done ;;
     train_512k) python3 scripts/bench_train.py --points 524288:except_attention_tiled --anchors alst --steps 1 \
                   --timeout 420 ;;
     bg_1m_start) mkdir -p /tmp/bg1m

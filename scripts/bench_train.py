@@ -32,13 +32,17 @@ def run_ours(S, memory, args, out_root):
             "trainer.micro_batch_size=1", "trainer.warmup_steps=1", "trainer.save_at_end=false",
             "trainer.export_hf=false", "trainer.resume=false", "logging.progress_bar=false",
             "logging.phase_times=true", f"parallelism.cp={args.cp}", f"memory={memory}", f"precision={args.precision}",
-            f"deepspeed={args.deepspeed}", f"device={args.device}", f"run.out_dir={out}"] + args.extra
+            f"deepspeed={args.deepspeed}", f"device={args.device}", f"run.out_dir={out}"]
+    # an explicit attention backend, so results do not depend on which optional kernels happen to import
+    if not any(o.startswith("model.attn_backend=") for o in args.extra):
+        over.append("model.attn_backend=sdpa")
+    over += args.extra
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
            str(ROOT / "scripts" / "train.py")] + over
     t0 = time.time()
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     res = dict(variant="ours", S=S, memory=memory, cp=args.cp, nproc=args.nproc, deepspeed=args.deepspeed,
-               wall_s=time.time() - t0, rc=p.returncode)
+               overrides=args.extra, wall_s=time.time() - t0, rc=p.returncode)
     metrics = out / "metrics.jsonl"
     rows = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
     if p.returncode != 0 or not rows:
