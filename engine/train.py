@@ -23,6 +23,7 @@ from .data import GlobalBatchSampler, build_dataset, collate, pad_id_of
 from .distributed import Runtime
 from .flops import count_params, detect_peak_tflops, step_flops
 from .hf_config import hf_config_of
+from .oom import oom_advice
 from .plot import plot_loss
 from .preemption import Preemption
 from .step import train_step
@@ -74,7 +75,10 @@ def train(cfg: TrainConfig, plan: Plan, rt: Runtime) -> dict:
             lr = engine.get_lr()[0]
             _sync(rt.device)
             t0 = time.perf_counter()
-            result = train_step(engine, micro_batches, topo, scale, rt.device, pad_id, cfg.logging.phase_times)
+            try:
+                result = train_step(engine, micro_batches, topo, scale, rt.device, pad_id, cfg.logging.phase_times)
+            except torch.OutOfMemoryError as err:
+                raise torch.OutOfMemoryError(oom_advice(cfg, plan, step + 1, rt.device)) from err
             _sync(rt.device)
             dt = time.perf_counter() - t0
             record = _metrics(step + 1, result, lr, dt, rt, plan, num_params, hf_config, peak_tflops)

@@ -143,3 +143,31 @@ def test_random_init_is_the_same_for_every_stage_and_world_size(tmp_path):
         assert all(torch.equal(weights[n], ref[n]) for n in ref)
     q = ref["model.layers.0.self_attn.q_proj.weight"]
     assert abs(q.std().item() - 0.02) < 0.002 and torch.equal(ref["model.norm.weight"], torch.ones_like(ref["model.norm.weight"]))
+
+
+def _oom_run(rank, world, out):
+    from configs import compose_config
+    import engine.train
+    import train as entry
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+    engine.train.train_step = out_of_memory  # this forked rank only
+    entry.run(compose_config(["model=tiny", "data=synthetic", "data.seq_len=64", "parallelism.cp=2",
+                              "memory=except_attention", "trainer.max_steps=2", "logging.progress_bar=false",
+                              f"run.out_dir={out}"]))
+
+
+def test_out_of_memory_names_the_layout_and_the_leaner_policies(tmp_path):
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    with pytest.raises(Exception) as info:
+        run_ranks(_oom_run, 2, str(tmp_path / "run"))
+    message = str(info.value)
+    assert "OutOfMemoryError: out of device memory in step 1: data.seq_len=64, cp=2, so 32 tokens per rank" in message
+    assert "memory.recompute=except_attention, recompute_num_layers=0" in message
+    # already on except_attention: the advice starts at the next leaner policy, then cp
+    assert "memory=except_attention (" not in message
+    assert message.index("memory=except_attention_tiled") < message.index("memory=long_context") \
+        < message.index("raise parallelism.cp (now 2")
+    assert "Tried to allocate 20.00 GiB" in message  # CUDA's own message stays in the chain
