@@ -239,6 +239,21 @@ def test_except_attention_never_reruns_the_kept_attention(monkeypatch, full_laye
     policy.remove()
 
 
+@pytest.mark.parametrize("family", ["qwen3", "qwen2", "qwen3_moe"])
+def test_except_attention_is_exact_for_other_families(family):
+    # Qwen3's q/k norms, Qwen2's projection biases and Qwen3-MoE's routed experts all sit in the recompute
+    topo = init_topology(1)
+    lm = CPCausalLM(enable_context_parallel(tiny_model(family, num_hidden_layers=2), topo, backend="sdpa"),
+                    loss_chunk_size=5)
+    local = shard_batch(dict(zip(("input_ids", "labels"), _batch())), topo)
+    ref_loss, ref_grads = _run(lm, local)
+    policy = ExceptAttentionRecompute().apply(lm.hf)
+    loss, grads = _run(lm, local)
+    policy.remove()
+    assert _rel(loss, ref_loss) < RTOL
+    _assert_close_dicts(grads, ref_grads, (family,))
+
+
 def test_except_attention_two_forwards_before_one_backward():
     # each layer call replays its own recorded attention (a DPO-style loss over two batches)
     topo = init_topology(1)
