@@ -27,3 +27,5 @@ class TrainerConfig:
     stop_after_steps: int = 0  # debug/tests: exit after N steps as if interrupted (to test resume); 0 = off
     export_hf: bool = True  # at the end, write an HF `save_pretrained` folder of the trained model
     loss_chunk_size: int = 4096  # tokens per chunk of the chunked logits + loss (full-vocab logits never exist)
+    # compute each chunk's gradients in forward instead of recomputing lm_head in backward (ds_ulysses_ext/loss.py)
+    fused_loss: bool = True

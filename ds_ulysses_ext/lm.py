@@ -1,23 +1,58 @@
 """CPCausalLM: an HF causal LM whose forward returns the local loss sum instead of logits.
 
-Legend: B batch, s local sequence, H hidden.
+Legend: B batch, s local sequence, H hidden, V vocab.
 
 Wrapping (rather than calling model(...).loss) keeps HF's loss path out: it would shift labels a second
 time and materialise [B, s, V] logits. DeepSpeed wraps this module, so ZeRO-3 hooks cover the decoder
-and lm_head alike. The HF model stays reachable as `.hf` for export.
+and the head loss alike. The HF model stays reachable as `.hf` for export.
 """
 from __future__ import annotations
 
 import torch
 
-from .loss import chunked_lm_loss_sum
+from .loss import chunked_lm_loss_sum, fusable, linear_cross_entropy_sum
+
+
+class HeadLoss(torch.nn.Module):
+    """lm_head + cross-entropy sum over chunks: fused (no recompute) when the head allows, else checkpointed.
+
+    A module of its own, holding no parameters, so that ZeRO-3 can gather lm_head's weight (registered
+    as an external parameter) for exactly this forward and backward.
+    """
+
+    def __init__(self, lm_head: torch.nn.Module, chunk_size: int, fused: bool):
+        super().__init__()
+        self.fused = fused and fusable(lm_head)
+        self.chunk_size = chunk_size
+        self._lm_head = [lm_head]  # a list: not a submodule (it stays where HF put it, for export)
+        if self.fused:
+            # registered before deepspeed.initialize adds ZeRO-3's hooks, so it runs before their gather
+            self.register_forward_pre_hook(self._register_zero3_weight)
+
+    def _register_zero3_weight(self, module, args) -> None:
+        weight = self._lm_head[0].weight
+        if getattr(weight, "ds_id", None) is not None and id(weight) not in getattr(self, "_external_params", {}):
+            # a ZeRO-3 parameter (deepspeed is loaded): gather it for this module's forward and backward
+            from deepspeed.runtime.zero.partition_parameters import register_external_parameter
+            register_external_parameter(self, weight)
+
+    def forward(self, hidden_BsH: torch.Tensor, labels_Bs: torch.Tensor):
+        lm_head = self._lm_head[0]
+        if not self.fused:
+            return chunked_lm_loss_sum(lm_head, hidden_BsH, labels_Bs, self.chunk_size)
+        if lm_head.weight.numel() == 0:
+            raise RuntimeError("the lm_head weight is partitioned (ZeRO-3) and was not gathered for the fused "
+                               "loss; wrap the model in CPCausalLM before deepspeed.initialize, or pass "
+                               "fused_loss=False")
+        return linear_cross_entropy_sum(lm_head.weight, hidden_BsH, labels_Bs, self.chunk_size)
 
 
 class CPCausalLM(torch.nn.Module):
-    def __init__(self, hf_model, loss_chunk_size: int = 4096):
+    def __init__(self, hf_model, loss_chunk_size: int = 4096, fused_loss: bool = True):
         super().__init__()
         self.hf = hf_model
         self.loss_chunk_size = loss_chunk_size
+        self.head_loss = HeadLoss(hf_model.get_output_embeddings(), loss_chunk_size, fused_loss)
 
     @property
     def config(self):
@@ -27,4 +62,4 @@ class CPCausalLM(torch.nn.Module):
         """input_ids, labels (shifted), position_ids: [B, s] -> (loss_sum fp32 scalar, token count)."""
         hidden_BsH = self.hf.get_decoder()(input_ids=input_ids, position_ids=position_ids,
                                            use_cache=False).last_hidden_state
-        return chunked_lm_loss_sum(self.hf.get_output_embeddings(), hidden_BsH, labels, self.loss_chunk_size)
+        return self.head_loss(hidden_BsH, labels)

@@ -54,7 +54,7 @@ def build(cfg: TrainConfig, plan: Plan, topo: Topology, device: torch.device):
     hf = build_hf_model(cfg, ds_dict)
     enable_context_parallel(hf, topo, backend=cfg.model.attn_backend)
     policies = _apply_memory(hf, cfg)
-    model = CPCausalLM(hf, loss_chunk_size=cfg.trainer.loss_chunk_size)
+    model = CPCausalLM(hf, loss_chunk_size=cfg.trainer.loss_chunk_size, fused_loss=cfg.trainer.fused_loss)
     stage = ds_dict["zero_optimization"]["stage"]
     if stage != cfg.deepspeed.zero_stage:
         log.info("deepspeed.zero_stage=%d on one rank runs as ZeRO-%d: same memory, less per-step overhead "

@@ -72,6 +72,16 @@ def test_layouts_match_single_process(tmp_path, zero):
         assert_same_trajectory(got, ref, f"{zero}/{name}")
 
 
+def test_tied_embeddings_and_both_loss_paths_match_single_process(tmp_path):
+    # Llama-3.2-1B ties lm_head to the embedding: under ZeRO-3 the fused loss reads that shared, partitioned
+    # weight as an external parameter; the checkpointed loss path must give the same trajectory
+    tied = ["model.arch.tie_word_embeddings=true", "deepspeed=zero3", "deepspeed.stage3_param_persistence_threshold=0"]
+    ref = train(tmp_path, "w1_tied", 1, tied + ["parallelism.cp=1", "trainer.fused_loss=false"])
+    assert len({r["loss"] for r in ref}) == 5
+    got = train(tmp_path, "w2_cp2_tied", 2, tied + ["parallelism.cp=2"])
+    assert_same_trajectory(got, ref, "tied, fused at cp2 vs checkpointed at world 1")
+
+
 def test_resume_continues_the_same_trajectory(tmp_path):
     extra = ["parallelism.cp=2"]
     full = train(tmp_path, "full", 2, extra)

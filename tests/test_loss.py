@@ -5,6 +5,7 @@ import torch.nn.functional as F
 
 from dist_harness import run_ranks
 from ds_ulysses_ext import IGNORE_INDEX, chunked_lm_loss_sum, cp_sum, init_topology
+from ds_ulysses_ext.loss import linear_cross_entropy_sum
 
 RTOL = 1e-5
 
@@ -28,6 +29,41 @@ def test_chunked_loss_equals_full_logits_loss(chunk):
     assert _rel(got, ref) < RTOL
     for g, r in zip(grads, ref_grads):
         assert _rel(g, r) < RTOL
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 100])
+@pytest.mark.parametrize("scale", [1.0, 0.25])
+def test_fused_loss_equals_full_logits_loss_under_any_scale(chunk, scale):
+    # the gradients are computed in forward; a factor applied afterwards must still reach all of them
+    torch.manual_seed(1)
+    weight = torch.randn(50, 16, requires_grad=True)
+    hidden = torch.randn(2, 9, 16, requires_grad=True)
+    labels = torch.randint(0, 50, (2, 9))
+    labels[1, 2:] = IGNORE_INDEX
+    ref = F.cross_entropy((hidden @ weight.t()).reshape(-1, 50), labels.reshape(-1), ignore_index=IGNORE_INDEX,
+                          reduction="sum")
+    ref_grads = torch.autograd.grad(ref * scale, [hidden, weight])
+    got, count = linear_cross_entropy_sum(weight, hidden, labels, chunk_size=chunk)
+    grads = torch.autograd.grad(got * scale, [hidden, weight])
+    assert count == 11
+    assert _rel(got, ref) < RTOL
+    for g, r in zip(grads, ref_grads):
+        assert _rel(g, r) < RTOL
+
+
+def test_fused_loss_without_grad_and_with_a_frozen_head():
+    weight = torch.randn(7, 4)  # frozen (LoRA-style): only the hidden states get a gradient
+    hidden = torch.randn(1, 5, 4, requires_grad=True)
+    labels = torch.tensor([[1, 2, IGNORE_INDEX, 3, 6]])
+    got, _ = linear_cross_entropy_sum(weight, hidden, labels, chunk_size=2)
+    got.backward()
+    ref_hidden = hidden.detach().clone().requires_grad_()
+    F.cross_entropy(ref_hidden[0] @ weight.t(), labels[0], ignore_index=IGNORE_INDEX, reduction="sum").backward()
+    assert _rel(hidden.grad, ref_hidden.grad) < RTOL
+    with torch.no_grad():
+        assert _rel(linear_cross_entropy_sum(weight, hidden, labels, chunk_size=3)[0], got.detach()) < RTOL
+    total, count = linear_cross_entropy_sum(weight, hidden, torch.full((1, 5), IGNORE_INDEX), chunk_size=2)
+    assert count == 0 and total.item() == 0.0
 
 
 def test_fully_masked_chunk_gives_zero_not_nan():
