@@ -17,9 +17,10 @@ class MemoryConfig:
     # are recomputed whole, attention included (0 = none; raise it when keeping every attention does not fit)
     recompute_num_layers: int = 0
     recompute_method: str = "uniform"  # recompute=block: uniform = spread over depth; block = the first N layers
-    budget_gib: float = 0.0  # recompute=budget: target peak GPU memory in GiB
+    budget_gib: float = 0.0  # recompute=budget or except_attention: target peak GPU memory in GiB
     # recompute=budget: the probe, i.e. peak_mem_gib of one step with memory=none and with memory=full_recompute
-    # at this seq_len (two short runs); 0 = no probe, and budget then recomputes every layer (with a warning)
+    # at this seq_len (two short runs); 0 = no probe, and budget then recomputes every layer (with a warning).
+    # recompute=except_attention with budget_gib: the peaks with recompute_num_layers=0 and with all layers.
     probe_none_gib: float = 0.0
     probe_full_gib: float = 0.0
     # block/budget: the layers that are NOT recomputed still recompute their element-wise work (selective),

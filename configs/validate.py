@@ -206,6 +206,18 @@ def _check_memory(mem: MemoryConfig, arch: Mapping[str, Any]) -> None:
             f"memory.recompute=block needs memory.recompute_num_layers >= 1{upper}, got "
             f"{mem.recompute_num_layers}; set memory.recompute_num_layers (or use memory=full_recompute)",
         )
+    _require(
+        mem.budget_gib == 0 or mem.recompute in ("budget", "except_attention"),
+        f"memory.budget_gib={mem.budget_gib} only applies to memory.recompute=budget or except_attention, got "
+        f"{mem.recompute!r}; set memory.budget_gib=0 or choose one of those",
+    )
+    _require(
+        not (mem.recompute == "except_attention" and mem.budget_gib > 0)
+        or (mem.probe_none_gib > 0 and mem.recompute_num_layers == 0),
+        "memory.recompute=except_attention with memory.budget_gib chooses recompute_num_layers from the probe: "
+        "set memory.probe_none_gib and memory.probe_full_gib (peak_mem_gib of a step with recompute_num_layers=0 "
+        "and with all layers) and leave memory.recompute_num_layers=0",
+    )
     if mem.recompute == "except_attention":
         num_layers = arch.get("num_hidden_layers")
         upper = f" and <= model.arch.num_hidden_layers={num_layers}" if num_layers else ""

@@ -385,3 +385,15 @@ def test_seq_len_beyond_the_position_table_is_refused():
     with pytest.raises(ConfigError, match=r"data.seq_len=5000 .padded to 5000 for cp. exceeds "
                                           r"model.arch.max_position_embeddings=4096; shorten data.seq_len"):
         validate(compose_config(["data.seq_len=5000"]), 2)
+
+
+def test_except_attention_budget_needs_the_probe_and_no_fixed_layer_count():
+    base = ["memory=except_attention", "memory.budget_gib=100"]
+    with pytest.raises(ConfigError, match="chooses recompute_num_layers from the probe"):
+        validate(compose_config(base), 2)
+    with pytest.raises(ConfigError, match="chooses recompute_num_layers from the probe"):
+        validate(compose_config(base + ["memory.probe_none_gib=150", "memory.probe_full_gib=60",
+                                        "memory.recompute_num_layers=2"]), 2)
+    validate(compose_config(base + ["memory.probe_none_gib=150", "memory.probe_full_gib=60"]), 2)
+    with pytest.raises(ConfigError, match=r"memory.budget_gib=100.0 only applies to memory.recompute=budget or "):
+        validate(compose_config(["memory=selective", "memory.budget_gib=100"]), 2)

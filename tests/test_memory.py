@@ -513,3 +513,16 @@ def test_engine_builds_the_budget_policy_from_config_probe_numbers():
     policies = _apply_memory(lm.hf, cfg)
     assert policies[0].num_layers == 2
     remove_all(policies)
+
+
+def test_except_attention_budget_chooses_whole_layers_from_the_probe():
+    topo = init_topology(1)
+    lm = _lm(topo)
+    cfg = MemoryConfig(recompute="except_attention", budget_gib=8.0)
+    probe = ProbeResult(peak_none_gib=10.0, peak_full_gib=6.0, num_layers=LAYERS)  # 1 GiB per whole layer
+    (policy,) = build_memory_policies(cfg, lm.hf, probe)
+    assert isinstance(policy, ExceptAttentionRecompute) and policy.full_layers == 2
+    cfg.budget_gib = 7.0  # a smaller budget: more layers recomputed whole
+    assert build_memory_policies(cfg, lm.hf, probe)[0].full_layers == 3
+    with pytest.raises(ValueError, match="needs the probe"):
+        build_memory_policies(cfg, lm.hf, None)

@@ -14,16 +14,19 @@ The config is read by attribute (configs/memory.py MemoryConfig), so the library
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
 
-from .budget import BudgetRecompute, ProbeResult
+from .budget import BudgetRecompute, ProbeResult, choose_recompute_layers
 from .except_attention import ExceptAttentionRecompute
 from .offload import OffloadActivations
 from .policy import MemoryPolicy, decoder_layers
 from .recompute import BlockRecompute, FullRecompute, NoRecompute, SelectiveRecompute
 from .tiling import TiledMLP
+
+log = logging.getLogger(__name__)
 
 
 def _recompute_policy(memory_cfg, num_layers: int, probe: Optional[ProbeResult]) -> MemoryPolicy:
@@ -42,7 +45,16 @@ def _recompute_policy(memory_cfg, num_layers: int, probe: Optional[ProbeResult])
     if kind == "budget":
         return BudgetRecompute(memory_cfg.budget_gib, probe)
     if kind == "except_attention":
-        return ExceptAttentionRecompute(memory_cfg.recompute_num_layers, memory_cfg.recompute_method)
+        whole = memory_cfg.recompute_num_layers
+        if memory_cfg.budget_gib > 0:
+            if probe is None:
+                raise ValueError("memory.recompute=except_attention with memory.budget_gib needs the probe: "
+                                 "memory.probe_none_gib and memory.probe_full_gib = peak_mem_gib of one step with "
+                                 "recompute_num_layers=0 and with recompute_num_layers=<all layers>")
+            whole = choose_recompute_layers(probe, memory_cfg.budget_gib)
+            log.info("except_attention: %d of %d layers recomputed whole to fit %.1f GiB (probe %.1f / %.1f GiB)",
+                     whole, num_layers, memory_cfg.budget_gib, probe.peak_none_gib, probe.peak_full_gib)
+        return ExceptAttentionRecompute(whole, memory_cfg.recompute_method)
     raise ValueError(f"unknown memory.recompute={kind!r}; choose none, full, block, selective, budget or "
                      "except_attention")
 
