@@ -29,6 +29,11 @@
 #                in the next command if it is still running (the machine must stay warm between the calls)
 # Needs: .whl/ (DeepSpeed 0.19.8 + hjson, pydantic(-core), annotated-types, typing-inspection, hydra-core,
 # omegaconf, antlr4 wheels) and .bench/anchor-bench; results under $OUT (default outputs/bench).
+# FA4 inputs (ignored folders), rebuilt on a machine with PyPI: in .fa4w/, `pip download --no-deps
+# --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --pre` of
+# flash-attn-4==4.0.0b36 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1
+# nvidia-cutlass-dsl-libs-core==4.8.1 apache-tvm-ffi==0.1.15.post2 torch-c-dlpack-ext==0.1.5 quack-kernels einops;
+# .fa4a/cu13.tar.xz = the files of nvidia_cutlass_dsl_libs_cu13-4.8.1 (unzip the wheel, `tar c . | xz -9e`).
 set -u
 cd "$(dirname "$0")/.."
 export OUT=${OUT:-$PWD/outputs/bench} PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 DS_ACCELERATOR=cuda
