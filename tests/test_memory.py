@@ -526,3 +526,22 @@ def test_except_attention_budget_chooses_whole_layers_from_the_probe():
     assert build_memory_policies(cfg, lm.hf, probe)[0].full_layers == 3
     with pytest.raises(ValueError, match="needs the probe"):
         build_memory_policies(cfg, lm.hf, None)
+
+
+def test_except_attention_keeps_what_docs_memory_says(monkeypatch):
+    # docs/memory.md: per token per layer the policy keeps the layer input (hidden 32 values; the checkpoint
+    # saves it through the outer hooks), q, k, v, out (Hq=8, Hkv=2, D=8: 64+16+16+64) and the logsumexp
+    # (8), fp32 here: the difference between 4 and 2 layers is exactly that, nothing else per layer.
+    import ds_ulysses_ext.memory.except_attention as except_attention
+    monkeypatch.setattr(except_attention, "_keep", lambda t: _count_kept(t))
+    topo = init_topology(1)
+    ids = torch.randint(0, 96, (1, 64), generator=torch.Generator().manual_seed(0))
+    local = shard_batch({"input_ids": ids, "labels": ids.clone()}, topo)
+    saved = {}
+    for layers in (2, 4):
+        hf = enable_context_parallel(tiny_model("llama", num_hidden_layers=layers), topo, backend="sdpa")
+        lm = CPCausalLM(hf, loss_chunk_size=16)
+        ExceptAttentionRecompute().apply(lm.hf)
+        saved[layers] = _saved_bytes(lm, local)
+    per_token_per_layer = (32 + 64 + 16 + 16 + 64 + 8) * 4
+    assert saved[4] - saved[2] == 2 * 64 * per_token_per_layer, saved
