@@ -528,13 +528,34 @@ def test_except_attention_budget_chooses_whole_layers_from_the_probe():
         build_memory_policies(cfg, lm.hf, None)
 
 
-def test_except_attention_keeps_what_docs_memory_says(monkeypatch):
-    # docs/memory.md: per token per layer the policy keeps the layer input (hidden 32 values; the checkpoint
-    # saves it through the outer hooks), q, k, v, out (Hq=8, Hkv=2, D=8: 64+16+16+64) and the logsumexp
-    # (8), fp32 here: the difference between 4 and 2 layers is exactly that, nothing else per layer.
+def _kept_bytes_with_records(lm, local):
+    """As _saved_bytes, plus the storages the except_attention records hold (no pack hook sees those)."""
+    import gc
     import ds_ulysses_ext.memory.except_attention as except_attention
-    monkeypatch.setattr(except_attention, "_keep", lambda t: _count_kept(t))
-    topo = init_topology(1)
+    storages = {}
+
+    def pack(t):
+        if not isinstance(t, torch.nn.Parameter):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    _PACK.append(pack)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss_sum, _ = lm(**local)
+    finally:
+        _PACK.pop()
+    for obj in gc.get_objects():
+        if isinstance(obj, except_attention._AttentionRecord):
+            for out, _ in obj.outputs:
+                pack(out)
+    loss_sum.backward()
+    return sum(storages.values())
+
+
+def _kept_bytes_cp(rank, world, expected_per_token_per_layer):
+    import ds_ulysses_ext.memory.except_attention as except_attention
+    except_attention._keep = _count_kept  # this forked rank only
+    topo = init_topology(world)
     ids = torch.randint(0, 96, (1, 64), generator=torch.Generator().manual_seed(0))
     local = shard_batch({"input_ids": ids, "labels": ids.clone()}, topo)
     saved = {}
@@ -542,6 +563,13 @@ def test_except_attention_keeps_what_docs_memory_says(monkeypatch):
         hf = enable_context_parallel(tiny_model("llama", num_hidden_layers=layers), topo, backend="sdpa")
         lm = CPCausalLM(hf, loss_chunk_size=16)
         ExceptAttentionRecompute().apply(lm.hf)
-        saved[layers] = _saved_bytes(lm, local)
-    per_token_per_layer = (32 + 64 + 16 + 16 + 64 + 8) * 4
-    assert saved[4] - saved[2] == 2 * 64 * per_token_per_layer, saved
+        saved[layers] = _kept_bytes_with_records(lm, local)
+    assert saved[4] - saved[2] == 2 * (64 // world) * expected_per_token_per_layer * 4, (world, saved)
+
+
+@pytest.mark.parametrize("world, values", [(1, 32 + 64 + 16 + 16 + 64 + 8),
+                                           (2, 32 + 64 + 16 + 16 + 64 + 8 + 64)])
+def test_except_attention_memory_per_token_per_layer(world, values):
+    # per local token per layer, fp32: the layer input 32, q 64, k 16, v 16, out 64, logsumexp 8; at cp > 1 the
+    # recorded output in sequence layout is a tensor of its own, +64 (docs/memory.md); at cp = 1 it is a view
+    run_ranks(_kept_bytes_cp, world, values)
