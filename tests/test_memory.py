@@ -126,8 +126,10 @@ def _count_kept(t):
     return _PACK[-1](t) if _PACK else t
 
 
-def _saved_bytes(lm, local):
-    """Bytes of distinct storages the autograd graph keeps after forward (parameters excluded)."""
+def _saved_bytes(lm, local, also=None):
+    """Bytes of distinct storages the autograd graph keeps after forward (parameters excluded).
+
+    also(pack): called after forward, to pass more kept tensors to the same count."""
     storages = {}
 
     def pack(t):
@@ -142,6 +144,8 @@ def _saved_bytes(lm, local):
             loss_sum, _ = lm(**local)
     finally:
         _PACK.pop()
+    if also is not None:
+        also(pack)
     loss_sum.backward()
     return sum(storages.values())
 
@@ -528,28 +532,14 @@ def test_except_attention_budget_chooses_whole_layers_from_the_probe():
         build_memory_policies(cfg, lm.hf, None)
 
 
-def _kept_bytes_with_records(lm, local):
-    """As _saved_bytes, plus the storages the except_attention records hold (no pack hook sees those)."""
+def _record_outputs(pack):
+    """Pass the tensors the except_attention records hold (no pack hook sees those) to pack."""
     import gc
     import ds_ulysses_ext.memory.except_attention as except_attention
-    storages = {}
-
-    def pack(t):
-        if not isinstance(t, torch.nn.Parameter):
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-    _PACK.append(pack)
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss_sum, _ = lm(**local)
-    finally:
-        _PACK.pop()
     for obj in gc.get_objects():
         if isinstance(obj, except_attention._AttentionRecord):
             for out, _ in obj.outputs:
                 pack(out)
-    loss_sum.backward()
-    return sum(storages.values())
 
 
 def _kept_bytes_cp(rank, world, expected_per_token_per_layer):
@@ -563,7 +553,7 @@ def _kept_bytes_cp(rank, world, expected_per_token_per_layer):
         hf = enable_context_parallel(tiny_model("llama", num_hidden_layers=layers), topo, backend="sdpa")
         lm = CPCausalLM(hf, loss_chunk_size=16)
         ExceptAttentionRecompute().apply(lm.hf)
-        saved[layers] = _kept_bytes_with_records(lm, local)
+        saved[layers] = _saved_bytes(lm, local, also=_record_outputs)
     assert saved[4] - saved[2] == 2 * (64 // world) * expected_per_token_per_layer * 4, (world, saved)
 
 
