@@ -23,8 +23,9 @@
 #                which is over the device's 10-minute command limit on one H200
 #   train_1m_4l  the same 1M-token step with 4 of the 16 layers: GPU memory is set by one layer's working set
 #                plus offloaded inputs (host), so this shows whether 1M fits; time scales ~linearly with layers
-#   bg_1m_start  the full 16-layer 1M step (memory=$BG_MEMORY, default long_context) in a new process session
-#                (setsid), which outlives the command; it writes under /tmp/bg1m, not $OUT (emptied per command)
+#   bg_1m_start  the full 16-layer 1M step ($BG_POINT, default 1048576:long_context; $BG_ARGS: more bench_train
+#                arguments) in a new process session (setsid), which outlives the command; it writes under
+#                /tmp/bg1m, not $OUT (emptied per command)
 #   bg_1m_wait   wait up to $WAIT_S (default 570) s for that run, then copy /tmp/bg1m into $OUT; call it again
 #                in the next command if it is still running (the machine must stay warm between the calls)
 # Needs: .whl/ (DeepSpeed 0.19.8 + hjson, pydantic(-core), annotated-types, typing-inspection, hydra-core,
@@ -66,7 +67,7 @@ for part in ${*:-attn train_short train_long}; do
                   --timeout 420 ;;
     bg_1m_start) mkdir -p /tmp/bg1m
                  OUT=/tmp/bg1m setsid nohup bash -c "python3 scripts/bench_train.py --points \
-                   1048576:${BG_MEMORY:-long_context} --steps 1 --timeout 1700; touch /tmp/bg1m/done" \
+                   ${BG_POINT:-1048576:long_context} --steps 1 --timeout 1700 ${BG_ARGS:-}; touch /tmp/bg1m/done" \
                    > /tmp/bg1m/log.txt 2>&1 < /dev/null &
                  echo "started 1M in the background: /tmp/bg1m" ;;
     bg_1m_wait) for _ in $(seq "${WAIT_S:-570}"); do [ -e /tmp/bg1m/done ] && break; sleep 1; done
