@@ -52,7 +52,7 @@ for part in ${*:-attn train_short train_long}; do
     train_short) python3 scripts/bench_train.py --points 16384:full_recompute,32768:full_recompute,65536:full_recompute \
                    --anchors hf --steps 4 ;;
     train_long) python3 scripts/bench_train.py --points ${LONG_POINTS:-131072:except_attention,262144:except_attention} \
-                  --anchors "${ANCHORS-alst}" --steps ${LONG_STEPS:-3} ${EXTRA:-} ;;
+                  --anchors "${ANCHORS-alst}" --steps ${LONG_STEPS:-2} ${EXTRA:-} ;;
     site_fa4) python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
                 .fa4w/*.whl && echo "FA4 wheels installed into $SITE" ;;
     stash_cu13) mkdir -p /tmp/fa4a && cp .fa4a/cu13.tar.xz /tmp/fa4a/ && echo "cu13 archive kept in /tmp/fa4a" ;;
