@@ -196,11 +196,16 @@ def _check_trainer(t: TrainerConfig) -> None:
     _require(t.loss_chunk_size >= 1, f"trainer.loss_chunk_size={t.loss_chunk_size} must be >= 1")
 
 
+def _layer_count_in_range(count: int, lowest: int, arch: Mapping[str, Any]) -> tuple[bool, str]:
+    """Whether lowest <= count <= the model's layers (when known), and the upper bound for a message."""
+    num_layers = arch.get("num_hidden_layers")
+    upper = f" and <= model.arch.num_hidden_layers={num_layers}" if num_layers else ""
+    return count >= lowest and (not num_layers or count <= num_layers), upper
+
+
 def _check_memory(mem: MemoryConfig, arch: Mapping[str, Any]) -> None:
     if mem.recompute == "block":
-        num_layers = arch.get("num_hidden_layers")
-        upper = f" and <= model.arch.num_hidden_layers={num_layers}" if num_layers else ""
-        ok = mem.recompute_num_layers >= 1 and (not num_layers or mem.recompute_num_layers <= num_layers)
+        ok, upper = _layer_count_in_range(mem.recompute_num_layers, 1, arch)
         _require(
             ok,
             f"memory.recompute=block needs memory.recompute_num_layers >= 1{upper}, got "
@@ -219,10 +224,9 @@ def _check_memory(mem: MemoryConfig, arch: Mapping[str, Any]) -> None:
         "and with all layers) and leave memory.recompute_num_layers=0",
     )
     if mem.recompute == "except_attention":
-        num_layers = arch.get("num_hidden_layers")
-        upper = f" and <= model.arch.num_hidden_layers={num_layers}" if num_layers else ""
+        ok, upper = _layer_count_in_range(mem.recompute_num_layers, 0, arch)
         _require(
-            mem.recompute_num_layers >= 0 and (not num_layers or mem.recompute_num_layers <= num_layers),
+            ok,
             f"memory.recompute=except_attention takes memory.recompute_num_layers >= 0{upper} (layers "
             f"recomputed whole, attention included), got {mem.recompute_num_layers}",
         )

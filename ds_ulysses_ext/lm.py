@@ -51,7 +51,6 @@ class CPCausalLM(torch.nn.Module):
     def __init__(self, hf_model, loss_chunk_size: int = 4096, fused_loss: bool = True):
         super().__init__()
         self.hf = hf_model
-        self.loss_chunk_size = loss_chunk_size
         self.head_loss = HeadLoss(hf_model.get_output_embeddings(), loss_chunk_size, fused_loss)
 
     @property

@@ -34,6 +34,13 @@ from .comm import all_reduce_sum
 from .topology import Topology
 
 
+def _tokens(hidden_BsH: torch.Tensor, labels_Bs: torch.Tensor, chunk_size: int):
+    """[B, s, H], [B, s] -> [T, H], [T], after checking the chunk size."""
+    if chunk_size <= 0:
+        raise ValueError(f"loss chunk size must be positive, got {chunk_size} (trainer.loss_chunk_size)")
+    return hidden_BsH.reshape(-1, hidden_BsH.shape[-1]), labels_Bs.reshape(-1)
+
+
 def _chunk_ce_sum(lm_head: torch.nn.Module, hidden_CH: torch.Tensor, labels_C: torch.Tensor) -> torch.Tensor:
     logits_CV = lm_head(hidden_CH).float()  # fp32 logits for an exact softmax, one chunk at a time
     return F.cross_entropy(logits_CV, labels_C, ignore_index=IGNORE_INDEX, reduction="sum")
@@ -45,10 +52,7 @@ def chunked_lm_loss_sum(lm_head: torch.nn.Module, hidden_BsH: torch.Tensor, labe
 
     labels are already shifted (shard_batch), -100 = no loss. Returns (fp32 scalar sum, int64 count).
     """
-    if chunk_size <= 0:
-        raise ValueError(f"loss chunk size must be positive, got {chunk_size} (trainer.loss_chunk_size)")
-    hidden_TH = hidden_BsH.reshape(-1, hidden_BsH.shape[-1])
-    labels_T = labels_Bs.reshape(-1)
+    hidden_TH, labels_T = _tokens(hidden_BsH, labels_Bs, chunk_size)
     total = hidden_TH.new_zeros((), dtype=torch.float32)
     for start in range(0, hidden_TH.shape[0], chunk_size):
         h, y = hidden_TH[start:start + chunk_size], labels_T[start:start + chunk_size]
@@ -107,10 +111,7 @@ def fusable(lm_head: torch.nn.Module) -> bool:
 def linear_cross_entropy_sum(weight_VH: torch.Tensor, hidden_BsH: torch.Tensor, labels_Bs: torch.Tensor,
                              chunk_size: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
     """As chunked_lm_loss_sum for a bias-free linear head given by its weight, without recompute."""
-    if chunk_size <= 0:
-        raise ValueError(f"loss chunk size must be positive, got {chunk_size} (trainer.loss_chunk_size)")
-    hidden_TH = hidden_BsH.reshape(-1, hidden_BsH.shape[-1])
-    labels_T = labels_Bs.reshape(-1)
+    hidden_TH, labels_T = _tokens(hidden_BsH, labels_Bs, chunk_size)
     total = _LinearCrossEntropySum.apply(hidden_TH, weight_VH, labels_T, chunk_size)
     return total, (labels_T != IGNORE_INDEX).sum()
 
