@@ -21,7 +21,7 @@ def series(rows):
         name = {"ours": "ds_ulysses_ext", "hf": "stock HF", "alst": "DeepSpeed ALST"}[r["variant"]]
         tps = r.get("tokens_per_s_per_gpu") or r.get("tokens_per_s")
         mem = r.get("peak_alloc_gib")
-        out.setdefault(name, []).append((r["S"], tps, mem))
+        out.setdefault(name, []).append((r["S"], tps, mem, r.get("memory", "")))
     return {k: sorted(v) for k, v in out.items()}
 
 
@@ -38,6 +38,10 @@ def main():
         xs = [p[0] / 1024 for p in pts]
         a1.plot(xs, [p[1] for p in pts], marker="o", label=name)
         a2.plot(xs, [p[2] for p in pts], marker="o", label=name)
+        for x, p in zip(xs, pts):  # our points say which memory policy ran there
+            if p[3]:
+                a2.annotate(p[3], (x, p[2]), textcoords="offset points", xytext=(4, -10), fontsize=6)
+    a1.set_yscale("log")  # 16k to 1M spans 20x in tokens/s
     for ax, label in ((a1, "tokens/s per GPU"), (a2, "peak allocated GiB")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("sequence length (k tokens)")
