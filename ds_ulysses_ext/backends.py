@@ -7,8 +7,9 @@ Every backend takes and returns the [B, S, h, D] layout and handles GQA natively
   shapes (539 TFLOP/s fwd+bwd at 128k, research/gpu_baseline.md); on CPU it runs the math kernel.
 - `flash_attn`: flash-attn 2/3 `flash_attn_func`, imported lazily (a GPU-only optional extra).
 - `fa4`: FlashAttention-4 (`flash_attn.cute.flash_attn_func`, package flash-attn-4; Hopper/Blackwell), lazily;
-  621 TFLOP/s fwd+bwd at 128k on an H200 against cuDNN's 539 (research/gpu_baseline.md).
-- `auto`: on CUDA the first that imports of fa4, flash_attn, else sdpa; sdpa on CPU.
+  at 128k on an H200, 629 TFLOP/s fwd+bwd against cuDNN's 546 at head dim 128 and 542 against 434 at head
+  dim 64 (docs/benchmarks.md).
+- `auto`: on CUDA in bf16/fp16 the first that imports of fa4, flash_attn, else sdpa; sdpa on CPU and in fp32.
 The choice is logged once per process per (backend, device type).
 """
 from __future__ import annotations
@@ -71,13 +72,17 @@ def fa4_attention(q_BShD, k_BShD, v_BShD, *, causal: bool, softmax_scale: Option
 _IMPLS = {"sdpa": sdpa_attention, "flash_attn": flash_attention, "fa4": fa4_attention}
 
 
-def resolve_backend(name: str, device_type: str) -> str:
-    """Turn 'auto' into a concrete backend for this device, and refuse unknown names."""
+# the flash kernels take half precision only; an fp32 run (exactness checks on GPU) must not pick them
+_FLASH_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def resolve_backend(name: str, device_type: str, dtype: Optional[torch.dtype] = None) -> str:
+    """Turn 'auto' into a concrete backend for this device and dtype, and refuse unknown names."""
     if name not in BACKENDS:
         raise UnsupportedError(f"unknown attention backend {name!r}; choose one of {BACKENDS} (model.attn_backend)")
     if name == "auto":
         name = "sdpa"
-        if device_type == "cuda":
+        if device_type == "cuda" and (dtype is None or dtype in _FLASH_DTYPES):
             name = next((b for b in ("fa4", "flash_attn") if _optional_func(b) is not None), "sdpa")
     _log_choice(name, device_type)
     return name
@@ -91,5 +96,5 @@ def _log_choice(name: str, device_type: str) -> None:
 def local_attention(backend: str, q_BShD, k_BShD, v_BShD, *, causal: bool = True,
                     softmax_scale: Optional[float] = None) -> torch.Tensor:
     """Exact attention over the whole (local) sequence with the named backend."""
-    impl = _IMPLS[resolve_backend(backend, q_BShD.device.type)]
+    impl = _IMPLS[resolve_backend(backend, q_BShD.device.type, q_BShD.dtype)]
     return impl(q_BShD, k_BShD, v_BShD, causal=causal, softmax_scale=softmax_scale)

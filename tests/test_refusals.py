@@ -98,3 +98,12 @@ def _unsharded_input(rank, world):
 
 def test_unsharded_input_is_detected_on_first_forward():
     run_ranks(_unsharded_input, 2)
+
+
+def test_auto_takes_an_importable_flash_kernel_on_cuda_only_in_half_precision(monkeypatch):
+    # pretend FA4 imports: auto must take it for bf16 on CUDA, but never for fp32 (FA kernels are half-only)
+    from ds_ulysses_ext import backends
+    monkeypatch.setattr(backends, "_optional_func", lambda b: (lambda *a, **k: None) if b == "fa4" else None)
+    assert backends.resolve_backend("auto", "cuda", torch.bfloat16) == "fa4"
+    assert backends.resolve_backend("auto", "cuda", torch.float32) == "sdpa"
+    assert backends.resolve_backend("auto", "cpu", torch.bfloat16) == "sdpa"
