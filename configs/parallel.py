@@ -5,6 +5,8 @@ dp is not a field: it is derived, dp = world_size // cp (see validate.Plan).
 
 from dataclasses import dataclass
 
+MASTER_WEIGHTS = ("fp32", "bf16")
+
 
 @dataclass
 class ParallelismConfig:
@@ -23,3 +25,8 @@ class DeepSpeedConfig:
     reduce_bucket_size: int = 500_000_000  # elements per gradient reduce bucket
     stage3_param_persistence_threshold: int = 100_000  # params smaller than this stay gathered (ZeRO-3)
     stage3_prefetch_bucket_size: int = 50_000_000  # elements prefetched ahead of use (ZeRO-3)
+    # dtype of the optimizer's master weights, gradients and Adam moments. fp32: DeepSpeed's mixed precision
+    # (an fp32 copy of the bf16 weights takes the update); bf16: the update is computed and stored in bf16, as
+    # a plain torch AdamW on bf16 parameters does (about half the optimizer's memory and time, but updates
+    # smaller than a weight's bf16 spacing are lost). bf16 needs precision=bf16.
+    master_weights: str = "fp32"

@@ -14,6 +14,7 @@ from configs.errors import ConfigError
 from configs.log import WANDB_MODES
 from configs.memory import RECOMPUTE_METHODS, RECOMPUTE_POLICIES, MemoryConfig
 from configs.model import ATTN_BACKENDS, MODEL_SOURCES, MOE_FAMILIES, SUPPORTED_FAMILIES, ModelConfig
+from configs.parallel import MASTER_WEIGHTS
 from configs.train import DEVICES, PRECISIONS, TrainConfig
 from configs.trainer import TrainerConfig
 
@@ -96,6 +97,7 @@ def _check_choices(cfg: TrainConfig) -> None:
     )
     _one_of("precision", cfg.precision, PRECISIONS)
     _one_of("device", cfg.device, DEVICES)
+    _one_of("deepspeed.master_weights", cfg.deepspeed.master_weights, MASTER_WEIGHTS)
     families = ", ".join(SUPPORTED_FAMILIES)
     _require(
         cfg.model.family in SUPPORTED_FAMILIES,
@@ -262,6 +264,13 @@ def _check_deepspeed(cfg: TrainConfig) -> None:
         not cfg.deepspeed.offload_param or stage == 3,
         f"deepspeed.offload_param=true needs deepspeed.zero_stage=3 (got {stage}: only ZeRO-3 partitions "
         "parameters); use deepspeed=zero3_offload or set deepspeed.offload_param=false",
+    )
+    # a bf16 master copy of fp32 weights would only round every update the fp32 model receives
+    _require(
+        cfg.deepspeed.master_weights == "fp32" or cfg.precision == "bf16",
+        f"deepspeed.master_weights={cfg.deepspeed.master_weights} needs precision=bf16 (got precision="
+        f"{cfg.precision}: the master weights cannot be narrower than the model's); set precision=bf16 or "
+        "deepspeed.master_weights=fp32",
     )
 
 

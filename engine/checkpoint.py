@@ -31,8 +31,11 @@ def latest_tag(out_dir: Path) -> Optional[str]:
 
 
 # the settings a resumed run must share with the run that wrote the checkpoint, or its trajectory silently
-# becomes another run's: the weights' shape and source, the data and its order, the batch
-RESUME_KEYS = ("model", "data", "run.seed", "trainer.global_batch_size", "precision")
+# becomes another run's: the weights' shape and source, the data and its order, the batch, the precision of
+# the weights and of the optimizer's master copy (DeepSpeed would cast the saved one to the other silently)
+RESUME_KEYS = ("model", "data", "run.seed", "trainer.global_batch_size", "precision", "deepspeed.master_weights")
+# keys added to RESUME_KEYS later: a fingerprint written before one existed ran with its default
+_DEFAULT_WHEN_ABSENT = {"deepspeed.master_weights": "fp32"}
 
 
 def _pick(config: dict, dotted: str):
@@ -46,6 +49,7 @@ def resume_fingerprint(config: dict) -> dict:
 
 
 def check_resume_compatible(saved: dict, current: dict) -> None:
+    saved = {**_DEFAULT_WHEN_ABSENT, **saved}
     diffs = [key for key in RESUME_KEYS if saved.get(key) != current.get(key)]
     if diffs:
         detail = "; ".join(f"{k}: checkpoint {saved.get(k)!r} vs now {current.get(k)!r}" for k in diffs)

@@ -44,7 +44,7 @@ def to_deepspeed_dict(cfg: TrainConfig, plan: Plan) -> dict:
         "gradient_clipping": cfg.trainer.grad_clip,
         "sequence_parallel_size": plan.cp,
         "zero_optimization": zero,
-        "bf16": {"enabled": cfg.precision == "bf16"},
+        "bf16": bf16_section(cfg),
         "prescale_gradients": False,
         "gradient_predivide_factor": 1.0,
         "steps_per_print": 1 << 30,  # our own logger reports every step
@@ -55,6 +55,16 @@ def to_deepspeed_dict(cfg: TrainConfig, plan: Plan) -> dict:
         # ZeRO-Offload needs DeepSpeed's CPU Adam; it refuses a client torch optimizer
         config["optimizer"] = {"type": "AdamW", "params": optimizer_params(cfg)}
     return config
+
+
+def bf16_section(cfg: TrainConfig) -> dict:
+    section = {"enabled": cfg.precision == "bf16"}
+    if cfg.deepspeed.master_weights == "bf16":
+        # both keys: DeepSpeed 0.19.8 allows bf16 master weights beside fp32 moments only with ZeRO-Offload's
+        # CPU Adam. Offload needs nothing more: DeepSpeed builds that CPU Adam from our "optimizer" section and,
+        # seeing bf16_optimizer_states, with bf16 moments (fp32_optimizer_states=False), as its ZeRO requires.
+        section.update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
+    return section
 
 
 def optimizer_params(cfg: TrainConfig) -> dict:

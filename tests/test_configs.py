@@ -246,6 +246,19 @@ REFUSALS = [
         r"deepspeed\.offload_param=true needs deepspeed\.zero_stage=3.*use deepspeed=zero3_offload",
     ),
     (
+        "master_weights",
+        ["precision=bf16", "deepspeed.master_weights=fp16"],
+        2,
+        r"deepspeed\.master_weights=fp16 is not one of \{fp32, bf16\}; set deepspeed\.master_weights",
+    ),
+    (
+        "bf16_master_weights_with_fp32_precision",
+        ["deepspeed.master_weights=bf16"],
+        2,
+        r"deepspeed\.master_weights=bf16 needs precision=bf16 \(got precision=fp32.*; set precision=bf16 or "
+        r"deepspeed\.master_weights=fp32$",
+    ),
+    (
         "left_padding",
         ["data.padding_side=left"],
         2,
@@ -397,3 +410,10 @@ def test_except_attention_budget_needs_the_probe_and_no_fixed_layer_count():
     validate(compose_config(base + ["memory.probe_none_gib=150", "memory.probe_full_gib=60"]), 2)
     with pytest.raises(ConfigError, match=r"memory.budget_gib=100.0 only applies to memory.recompute=budget or "):
         validate(compose_config(["memory=selective", "memory.budget_gib=100"]), 2)
+
+
+@pytest.mark.parametrize("preset", ["zero2", "zero3", "zero3_offload"])
+def test_bf16_master_weights_validate_with_bf16_precision(preset):
+    # offload included: DeepSpeed 0.19.8 builds its CPU Adam with bf16 moments for it (engine/ds_config.py)
+    cfg = compose_config([f"deepspeed={preset}", "precision=bf16", "deepspeed.master_weights=bf16"])
+    assert validate(cfg, world_size=2).precision == "bf16"

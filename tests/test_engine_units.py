@@ -113,6 +113,40 @@ def test_zero3_on_one_rank_runs_as_zero2_unless_params_are_offloaded():
     assert to_deepspeed_dict(cfg, validate(cfg, 2))["zero_optimization"]["stage"] == 3
 
 
+def _ds_dict(overrides, world=1):
+    from configs import compose_config, validate
+    from engine.ds_config import to_deepspeed_dict
+    cfg = compose_config([f"parallelism.cp={world}"] + overrides)
+    return to_deepspeed_dict(cfg, validate(cfg, world))
+
+
+def test_master_weights_map_to_deepspeed_bf16_keys():
+    fp32 = _ds_dict(["precision=bf16"])
+    assert fp32["bf16"] == {"enabled": True}  # the default writes what it wrote before the field existed
+    assert _ds_dict([])["bf16"] == {"enabled": False}
+    bf16 = _ds_dict(["precision=bf16", "deepspeed.master_weights=bf16"])
+    assert bf16["bf16"] == {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+    assert {k: v for k, v in bf16.items() if k != "bf16"} == {k: v for k, v in fp32.items() if k != "bf16"}
+    # offload: DeepSpeed builds its CPU Adam from this section, with bf16 moments because of the keys above
+    offload = _ds_dict(["precision=bf16", "deepspeed=zero3_offload", "deepspeed.master_weights=bf16"])
+    assert offload["optimizer"]["type"] == "AdamW" and offload["bf16"] == bf16["bf16"]
+
+
+def test_resume_refuses_another_master_precision_and_reads_older_checkpoints_as_fp32():
+    import dataclasses
+    from configs import compose_config
+    config = dataclasses.asdict(compose_config(["precision=bf16"]))
+    fp32 = checkpoint.resume_fingerprint(config)
+    config["deepspeed"]["master_weights"] = "bf16"
+    bf16 = checkpoint.resume_fingerprint(config)
+    with pytest.raises(RuntimeError, match="different run .deepspeed.master_weights: checkpoint 'fp32' vs now 'bf16'"):
+        checkpoint.check_resume_compatible(fp32, bf16)
+    older = {k: v for k, v in fp32.items() if k != "deepspeed.master_weights"}  # written before the key existed
+    checkpoint.check_resume_compatible(older, fp32)
+    with pytest.raises(RuntimeError, match="deepspeed.master_weights: checkpoint 'fp32' vs now 'bf16'"):
+        checkpoint.check_resume_compatible(older, bf16)
+
+
 def _init_weights_by_stage(rank, world, out):
     import deepspeed
     from configs import compose_config, validate
