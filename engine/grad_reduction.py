@@ -3,7 +3,8 @@
 Each rank backprops its share  local_loss_sum / global_token_count  (ds_ulysses_ext/loss.py); the shares
 of all ranks and micro-batches add up to the objective of DESIGN 3.1, so the exact gradient is the SUM
 of the per-rank gradients. DeepSpeed 0.19.8 does not sum; measured on CPU/gloo with SGD(lr=1) and the
-weight update compared with the unsplit gradient (tests/test_engine.py::test_layouts_match_single_process keeps measuring it):
+weight update compared with the unsplit gradient (tests/test_engine.py::test_layouts_match_single_process
+keeps measuring it):
 
     path                              what DeepSpeed applies            scale we multiply by
     ZeRO-3, reduce_scatter=true       mean over dp*cp ranks             dp * cp
