@@ -10,6 +10,7 @@ families (Llama/Qwen/Mistral `_init_weights`): matrices ~ N(0, initializer_range
 from __future__ import annotations
 
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 
 import torch
@@ -22,23 +23,41 @@ def _value(name: str, shape: torch.Size, std: float, generator: torch.Generator)
     if len(shape) == 1 and "norm" in name:
         return torch.ones(shape)
     if len(shape) >= 2:
-        return torch.randn(shape, generator=generator) * std
+        return torch.randn(shape, generator=generator).mul_(std)  # in place: no second fp32 copy to fault in
     raise ValueError(f"no random-init rule for parameter {name!r} of shape {tuple(shape)}; "
                      "load weights with model.source=pretrained or extend engine/init.py")
 
 
+def _write(param: torch.nn.Parameter, name: str, seed: int, std: float) -> None:
+    # drawn in fp32 on the CPU whatever the parameter's dtype and device: the values are the same everywhere
+    generator = torch.Generator().manual_seed((seed << 32) ^ zlib.crc32(name.encode()))
+    with torch.no_grad():  # grad mode is per thread
+        param.data.copy_(_value(name, param.shape, std, generator).to(param.dtype))
+
+
 def init_random_weights(model: torch.nn.Module, seed: int, std: float) -> None:
     """Overwrite every parameter in place; collective under ZeRO-3 (each parameter is gathered once)."""
+    params = list(model.named_parameters())  # tied weights appear once
+    if any(hasattr(p, "ds_id") for _, p in params):
+        _init_zero3(params, seed, std)
+        return
+    # One generator's randn is a serial loop (10 s for the Llama-3.2-1B shape on one core). Each parameter
+    # has its own generator and randn releases the GIL, so threads give the same values in less time;
+    # the largest go first so that no thread is left with the embedding at the end.
+    params.sort(key=lambda np: np[1].numel(), reverse=True)
+    with ThreadPoolExecutor(max_workers=torch.get_num_threads()) as pool:
+        for done in [pool.submit(_write, param, name, seed, std) for name, param in params]:
+            done.result()  # re-raises an unknown parameter's ValueError
+
+
+def _init_zero3(params: list, seed: int, std: float) -> None:
+    # sequential: each gather is a collective that every rank must enter in the same order
     rank = dist.get_rank() if dist.is_initialized() else 0
-    for name, param in model.named_parameters():  # tied weights appear once
+    import deepspeed
+    for name, param in params:
         zero3 = hasattr(param, "ds_id")
-        if zero3:
-            import deepspeed
-            ctx = deepspeed.zero.GatheredParameters([param], modifier_rank=0)
-        else:
-            ctx = nullcontext()
-        with ctx, torch.no_grad():
+        ctx = deepspeed.zero.GatheredParameters([param], modifier_rank=0) if zero3 else nullcontext()
+        with ctx:
             if zero3 and rank != 0:
                 continue  # rank 0's values are broadcast when the context exits
-            generator = torch.Generator().manual_seed((seed << 32) ^ zlib.crc32(name.encode()))
-            param.data.copy_(_value(name, param.shape, std, generator).to(param.dtype))
+            _write(param, name, seed, std)

@@ -1,0 +1,127 @@
+"""The fast random-init build (no HF init, parameters made on the device, threaded draws) must give what the
+plain build gave: HF's from_config with HF's own init, then one seeded draw per parameter name, in order.
+Those values are the reference weights of every exactness test."""
+import zlib
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from configs import compose_config, validate
+from engine.build import _uninitialised_on, build_hf_model
+from engine.ds_config import to_deepspeed_dict
+from engine.hf_config import hf_config_of
+from engine.init import init_random_weights
+from tiny_models import tiny_config
+
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe")
+SEED, STD = 3, 0.02
+
+
+def _sequential_init(model, seed, std):
+    # the per-parameter draw as it was before the threads, written out on its own
+    for name, p in model.named_parameters():
+        g = torch.Generator().manual_seed((seed << 32) ^ zlib.crc32(name.encode()))
+        if name.endswith(".bias"):
+            value = torch.zeros(p.shape)
+        elif p.dim() == 1:
+            value = torch.ones(p.shape)
+        else:
+            value = torch.randn(p.shape, generator=g) * std
+        with torch.no_grad():
+            p.copy_(value.to(p.dtype))
+
+
+def _plain_build(hf_config, dtype):
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation="sdpa")
+    _sequential_init(model, SEED, STD)
+    return model
+
+
+def _uninitialised(family, **overrides):
+    return _uninitialised_on(torch.device("cpu"), tiny_config(family, **overrides), torch.float32)
+
+
+def _fast_build(hf_config, dtype):
+    model = _uninitialised_on(torch.device("cpu"), hf_config, dtype)
+    init_random_weights(model, SEED, STD)
+    return model
+
+
+def _tensors(model):
+    # remove_duplicate=False: a tied weight is compared under both of its names
+    return {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers())}
+
+
+def _assert_same_state(new, ref):
+    a, b = _tensors(new), _tensors(ref)
+    assert a.keys() == b.keys()
+    for name in b:
+        assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
+    # deduplicated names: a tie lost (or made) on one side shows as a name more (or less)
+    assert [n for n, _ in new.named_parameters()] == [n for n, _ in ref.named_parameters()]
+
+
+def _logits(model):
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fast_build_equals_hf_init_then_random_init(family, tied, dtype):
+    new = _fast_build(tiny_config(family, tie_word_embeddings=tied), dtype)
+    ref = _plain_build(tiny_config(family, tie_word_embeddings=tied), dtype)
+    _assert_same_state(new, ref)
+    assert (new.lm_head.weight is new.model.embed_tokens.weight) == tied
+    assert torch.equal(_logits(new.eval()), _logits(ref.eval()))
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny_qwen3"])
+def test_build_hf_model_on_zero2_equals_the_plain_build(preset):
+    cfg = compose_config([f"model={preset}", "parallelism=cp1", "precision=bf16", f"run.seed={SEED}"])
+    ds_dict = to_deepspeed_dict(cfg, validate(cfg, 1))
+    assert ds_dict["zero_optimization"]["stage"] == 2  # the path with the fast build
+    new = build_hf_model(cfg, ds_dict, torch.device("cpu"))
+    hf_config = hf_config_of(cfg.model)
+    _assert_same_state(new, _plain_build(hf_config, torch.bfloat16))
+    assert not new.config.use_cache and new.training
+
+
+def test_parameters_are_made_on_the_device_and_stay_tied():
+    # meta stands in for CUDA: nothing is built on the CPU and moved, and ties survive the move
+    model = _uninitialised_on(torch.device("meta"), tiny_config("llama", tie_word_embeddings=True), torch.bfloat16)
+    assert {t.device.type for t in _tensors(model).values()} == {"meta"}
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_threaded_init_equals_a_sequential_loop():
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(4)  # several draws in flight at once, whatever this machine's core count
+    try:
+        new = _uninitialised("qwen3_moe", num_hidden_layers=6)
+        init_random_weights(new, SEED, STD)
+    finally:
+        torch.set_num_threads(old_threads)
+    ref = _uninitialised("qwen3_moe", num_hidden_layers=6)
+    _sequential_init(ref, SEED, STD)
+    _assert_same_state(new, ref)
+
+
+def test_every_parameter_is_written():
+    # no_init_weights leaves memory as it was: a parameter the init skipped would keep garbage, here NaN
+    model = _uninitialised("qwen2", tie_word_embeddings=True)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float("nan"))
+    init_random_weights(model, SEED, STD)
+    assert not [n for n, p in model.named_parameters() if p.isnan().any()]
+
+
+def test_a_parameter_without_a_rule_fails_from_the_threads():
+    model = _uninitialised("llama")
+    model.model.register_parameter("scale", torch.nn.Parameter(torch.empty(4)))
+    with pytest.raises(ValueError, match="no random-init rule for parameter 'model.scale'"):
+        init_random_weights(model, SEED, STD)
