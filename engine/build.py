@@ -54,6 +54,8 @@ def build_hf_model(cfg: TrainConfig, ds_dict: dict, device: torch.device = torch
         else:
             model = _uninitialised_on(device, hf_config, model_dtype(cfg))
         init_random_weights(model, cfg.run.seed, getattr(hf_config, "initializer_range", 0.02))
+    # HF's init (run on some paths, skipped on others) draws from the global RNG: leave one state for all
+    torch.manual_seed(cfg.run.seed)
     model.config.use_cache = False
     return model.train()
 

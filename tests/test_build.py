@@ -125,3 +125,17 @@ def test_a_parameter_without_a_rule_fails_from_the_threads():
     model.model.register_parameter("scale", torch.nn.Parameter(torch.empty(4)))
     with pytest.raises(ValueError, match="no random-init rule for parameter 'model.scale'"):
         init_random_weights(model, SEED, STD)
+
+
+@pytest.mark.parametrize("hf_init", [False, True])
+def test_every_build_path_leaves_the_same_global_rng_state(monkeypatch, hf_init):
+    # HF's own init draws from the global RNG (ZeRO-3 path, old transformers); the fast path does not.
+    # Whatever ran, the state after the build must be the seed's, or a later global draw differs by layout.
+    import engine.build as build
+    if hf_init:
+        monkeypatch.setattr(build, "no_init_weights", None)
+    cfg = compose_config(["model=tiny", "parallelism=cp1", "precision=fp32", f"run.seed={SEED}"])
+    build_hf_model(cfg, to_deepspeed_dict(cfg, validate(cfg, 1)))
+    after = torch.rand(4)
+    torch.manual_seed(SEED)
+    assert torch.equal(after, torch.rand(4))
