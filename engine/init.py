@@ -28,11 +28,15 @@ def _value(name: str, shape: torch.Size, std: float, generator: torch.Generator)
                      "load weights with model.source=pretrained or extend engine/init.py")
 
 
-def _write(param: torch.nn.Parameter, name: str, seed: int, std: float) -> None:
+def _draw(param: torch.nn.Parameter, name: str, seed: int, std: float) -> torch.Tensor:
     # drawn in fp32 on the CPU whatever the parameter's dtype and device: the values are the same everywhere
     generator = torch.Generator().manual_seed((seed << 32) ^ zlib.crc32(name.encode()))
-    with torch.no_grad():  # grad mode is per thread
-        param.data.copy_(_value(name, param.shape, std, generator).to(param.dtype))
+    return _value(name, param.shape, std, generator).to(param.dtype)
+
+
+def _write(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+    with torch.no_grad():
+        param.data.copy_(value)
 
 
 def init_random_weights(model: torch.nn.Module, seed: int, std: float) -> None:
@@ -43,11 +47,15 @@ def init_random_weights(model: torch.nn.Module, seed: int, std: float) -> None:
         return
     # One generator's randn is a serial loop (10 s for the Llama-3.2-1B shape on one core). Each parameter
     # has its own generator and randn releases the GIL, so threads give the same values in less time;
-    # the largest go first so that no thread is left with the embedding at the end.
+    # the largest go first so that no thread is left with the embedding at the end. The copies into the
+    # parameters stay on this thread: a worker thread touching a GPU tensor could open a CUDA context on
+    # the thread's default device (GPU 0) from every rank.
     params.sort(key=lambda np: np[1].numel(), reverse=True)
     with ThreadPoolExecutor(max_workers=torch.get_num_threads()) as pool:
-        for done in [pool.submit(_write, param, name, seed, std) for name, param in params]:
-            done.result()  # re-raises an unknown parameter's ValueError
+        futures = [pool.submit(_draw, param, name, seed, std) for name, param in params]
+        for i, (_, param) in enumerate(params):
+            _write(param, futures[i].result())  # result() re-raises an unknown parameter's ValueError
+            futures[i] = None  # drop the CPU copy now, not when the whole model is done
 
 
 def _init_zero3(params: list, seed: int, std: float) -> None:
@@ -60,4 +68,4 @@ def _init_zero3(params: list, seed: int, std: float) -> None:
         with ctx:
             if zero3 and rank != 0:
                 continue  # rank 0's values are broadcast when the context exits
-            _write(param, name, seed, std)
+            _write(param, _draw(param, name, seed, std))
