@@ -24,4 +24,5 @@ class LoggingConfig:
     progress_bar: bool = True  # tqdm bar on rank 0
     log_every: int = 1  # console/W&B every N steps (metrics.jsonl always gets every step)
     phase_times: bool = False  # time forward / backward / optimizer per step (adds GPU syncs); for breakdowns
+    profile_step: int = 0  # profile this step (1-based) with torch.profiler into run.out_dir; 0 = never
     peak_tflops: float = 0.0  # per-GPU bf16 dense peak used for MFU; 0 = detect from the GPU name

@@ -114,6 +114,9 @@ def _check_choices(cfg: TrainConfig) -> None:
     _one_of("memory.recompute_method", cfg.memory.recompute_method, RECOMPUTE_METHODS)
     _one_of("logging.wandb.mode", cfg.logging.wandb.mode, WANDB_MODES)
     _require(cfg.logging.log_every >= 1, f"logging.log_every={cfg.logging.log_every} must be >= 1")
+    ps, steps = cfg.logging.profile_step, cfg.trainer.max_steps
+    _require(0 <= ps <= steps, f"logging.profile_step={ps} must be a step of this run, 1..trainer.max_steps={steps} "
+             "(or 0 for no profiling)")
 
 
 def _check_model(model: ModelConfig) -> None:

@@ -13,6 +13,8 @@ import torch.distributed as dist
 
 from ds_ulysses_ext import IGNORE_INDEX, Topology, shard_batch
 
+from .profile import phase
+
 
 @dataclass
 class StepResult:
@@ -53,11 +55,14 @@ def train_step(engine, micro_batches: list[dict], topo: Topology, scale: float, 
     clock = _PhaseClock(phase_times, device)
     clock.mark()
     for shard in shards:
-        local_sum, _ = engine(**shard)
+        with phase("forward"):
+            local_sum, _ = engine(**shard)
         clock.mark("forward")
-        engine.backward(local_sum * (scale / denom), scale_wrt_gas=False)
+        with phase("backward"):
+            engine.backward(local_sum * (scale / denom), scale_wrt_gas=False)
         clock.mark("backward")
-        engine.step()  # the optimizer runs only at the accumulation boundary
+        with phase("optimizer"):
+            engine.step()  # the optimizer runs only at the accumulation boundary
         clock.mark("optimizer")
         loss_sum += local_sum.detach().double()
     dist.all_reduce(loss_sum)

@@ -26,6 +26,7 @@ from .hf_config import hf_config_of
 from .oom import oom_advice
 from .plot import plot_loss
 from .preemption import Preemption
+from .profile import maybe_profile
 from .step import train_step
 from .tracking import Tracker
 
@@ -76,12 +77,16 @@ def train(cfg: TrainConfig, plan: Plan, rt: Runtime) -> dict:
             _sync(rt.device)
             t0 = time.perf_counter()
             try:
-                result = train_step(engine, micro_batches, topo, scale, rt.device, pad_id, cfg.logging.phase_times)
+                with maybe_profile(cfg.logging.profile_step, step + 1, out_dir, rt.rank, rt.device):
+                    result = train_step(engine, micro_batches, topo, scale, rt.device, pad_id,
+                                        cfg.logging.phase_times)
             except torch.OutOfMemoryError as err:
                 raise torch.OutOfMemoryError(oom_advice(cfg, plan, step + 1, rt.device)) from err
             _sync(rt.device)
             dt = time.perf_counter() - t0
             record = _metrics(step + 1, result, lr, dt, rt, plan, num_params, hf_config, peak_tflops)
+            if step + 1 == cfg.logging.profile_step:
+                record["profiled"] = True  # its step time includes the profiler's overhead and trace export
             tracker.log(record)
             if cfg.trainer.gc_every and (step + 1) % cfg.trainer.gc_every == 0:
                 gc.collect()

@@ -323,6 +323,9 @@ REFUSALS = [
         r"logging\.wandb\.mode=cloud is not one of \{disabled, offline, online\}; set logging\.wandb\.mode",
     ),
     ("log_every", ["logging.log_every=0"], 2, r"logging\.log_every=0 must be >= 1"),
+    ("profile_step_after_the_run", ["trainer.max_steps=5", "logging.profile_step=6"], 2,
+     r"logging\.profile_step=6 must be a step of this run, 1\.\.trainer\.max_steps=5"),
+    ("profile_step_negative", ["logging.profile_step=-1"], 2, r"logging\.profile_step=-1 must be a step"),
     ("max_steps", ["trainer.max_steps=0"], 2, r"trainer\.max_steps=0 must be >= 1"),
     (
         "warmup_longer_than_run",

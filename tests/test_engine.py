@@ -294,3 +294,15 @@ def test_bf16_master_weights_resume_exactly(bf16_runs, tmp_path, run):
     assert [r["step"] for r in both] == [1, 2, 3, 4]
     for got, ref in zip(both[2:], full[2:]):
         assert got["loss"] == ref["loss"] and got["grad_norm"] == ref["grad_norm"], (got, ref)
+
+
+def test_profile_step_writes_a_trace_and_a_table_for_that_step_only(tmp_path):
+    rows = train(tmp_path, "prof", 2, ["parallelism.cp=2", "trainer.max_steps=3", "logging.profile_step=2"])
+    out = tmp_path / "prof"
+    assert sorted(p.name for p in out.glob("profile_*")) == [
+        "profile_step2_rank0.json", "profile_step2_rank0.txt", "profile_step2_rank1.json", "profile_step2_rank1.txt"]
+    trace = json.loads((out / "profile_step2_rank1.json").read_text())
+    names = {e.get("name") for e in trace["traceEvents"]}
+    assert {"phase.forward", "phase.backward", "phase.optimizer"} <= names
+    assert "aten::mm" in (out / "profile_step2_rank0.txt").read_text()
+    assert [r.get("profiled", False) for r in rows] == [False, True, False]
