@@ -10,28 +10,60 @@ families (Llama/Qwen/Mistral `_init_weights`): matrices ~ N(0, initializer_range
 from __future__ import annotations
 
 import zlib
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
+from contextlib import closing
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
 
-def _value(name: str, shape: torch.Size, std: float, generator: torch.Generator) -> torch.Tensor:
+def _rule(name: str, shape: torch.Size) -> str:
     if name.endswith(".bias"):
-        return torch.zeros(shape)
+        return "zeros"
     if len(shape) == 1 and "norm" in name:
-        return torch.ones(shape)
+        return "ones"
     if len(shape) >= 2:
-        return torch.randn(shape, generator=generator).mul_(std)  # in place: no second fp32 copy to fault in
+        return "normal"
     raise ValueError(f"no random-init rule for parameter {name!r} of shape {tuple(shape)}; "
                      "load weights with model.source=pretrained or extend engine/init.py")
 
 
-def _draw(param: torch.nn.Parameter, name: str, seed: int, std: float) -> torch.Tensor:
+def _value(name: str, shape: torch.Size, std: float, generator: torch.Generator) -> torch.Tensor:
+    rule = _rule(name, shape)
+    if rule == "zeros":
+        return torch.zeros(shape)
+    if rule == "ones":
+        return torch.ones(shape)
+    return torch.randn(shape, generator=generator).mul_(std)  # in place: no second fp32 copy to fault in
+
+
+def _draw(name: str, shape: torch.Size, dtype: torch.dtype, seed: int, std: float) -> torch.Tensor:
     # drawn in fp32 on the CPU whatever the parameter's dtype and device: the values are the same everywhere
     generator = torch.Generator().manual_seed((seed << 32) ^ zlib.crc32(name.encode()))
-    return _value(name, param.shape, std, generator).to(param.dtype)
+    return _value(name, shape, std, generator).to(dtype)
+
+
+def _draws(wanted: list, seed: int, std: float) -> Iterator[Optional[torch.Tensor]]:
+    """The values of each wanted (name, shape, dtype) in order (None for a None entry), drawn in threads.
+
+    One generator's randn is a serial loop (10 s for the Llama-3.2-1B shape on one core). Each parameter has
+    its own generator and randn releases the GIL, so threads give the same values in less time. At most
+    2 x threads draws are ahead of the consumer, so host memory holds a few parameters, not the model."""
+    workers = max(1, torch.get_num_threads())
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        ahead: deque = deque()
+        for item in wanted:
+            ahead.append(None if item is None else pool.submit(_draw, *item, seed, std))
+            if len(ahead) > 2 * workers:
+                yield _result(ahead.popleft())
+        while ahead:
+            yield _result(ahead.popleft())
+
+
+def _result(future) -> Optional[torch.Tensor]:
+    return None if future is None else future.result()  # re-raises an unknown parameter's ValueError
 
 
 def _write(param: torch.nn.Parameter, value: torch.Tensor) -> None:
@@ -40,32 +72,25 @@ def _write(param: torch.nn.Parameter, value: torch.Tensor) -> None:
 
 
 def init_random_weights(model: torch.nn.Module, seed: int, std: float) -> None:
-    """Overwrite every parameter in place; collective under ZeRO-3 (each parameter is gathered once)."""
+    """Overwrite every parameter in place; collective under ZeRO-3 (each parameter is gathered once, in the
+    same order on every rank, and rank 0's values are broadcast).
+
+    The copies into the parameters stay on this thread, the draws run in worker threads: a worker touching
+    a GPU tensor could open a CUDA context on the thread's default device (GPU 0) from every rank."""
     params = list(model.named_parameters())  # tied weights appear once
-    if any(hasattr(p, "ds_id") for _, p in params):
-        _init_zero3(params, seed, std)
-        return
-    # One generator's randn is a serial loop (10 s for the Llama-3.2-1B shape on one core). Each parameter
-    # has its own generator and randn releases the GIL, so threads give the same values in less time;
-    # the largest go first so that no thread is left with the embedding at the end. The copies into the
-    # parameters stay on this thread: a worker thread touching a GPU tensor could open a CUDA context on
-    # the thread's default device (GPU 0) from every rank.
-    params.sort(key=lambda np: np[1].numel(), reverse=True)
-    with ThreadPoolExecutor(max_workers=torch.get_num_threads()) as pool:
-        futures = [pool.submit(_draw, param, name, seed, std) for name, param in params]
-        for i, (_, param) in enumerate(params):
-            _write(param, futures[i].result())  # result() re-raises an unknown parameter's ValueError
-            futures[i] = None  # drop the CPU copy now, not when the whole model is done
-
-
-def _init_zero3(params: list, seed: int, std: float) -> None:
-    # sequential: each gather is a collective that every rank must enter in the same order
     rank = dist.get_rank() if dist.is_initialized() else 0
-    import deepspeed
-    for name, param in params:
-        zero3 = hasattr(param, "ds_id")
-        ctx = deepspeed.zero.GatheredParameters([param], modifier_rank=0) if zero3 else nullcontext()
-        with ctx:
-            if zero3 and rank != 0:
-                continue  # rank 0's values are broadcast when the context exits
-            _write(param, _draw(param, name, seed, std))
+    # a ZeRO-3 partitioned parameter's own shape is empty outside a gather; ds_shape is the full one
+    shapes = [getattr(p, "ds_shape", p.shape) for _, p in params]
+    for (name, _), shape in zip(params, shapes):
+        _rule(name, shape)  # on every rank before the first gather: a refusal on rank 0 alone would hang the rest
+    wanted = [None if hasattr(p, "ds_id") and rank != 0 else (name, shape, p.dtype)
+              for (name, p), shape in zip(params, shapes)]
+    with closing(_draws(wanted, seed, std)) as values:
+        for (_, param), value in zip(params, values):
+            if not hasattr(param, "ds_id"):
+                _write(param, value)
+                continue
+            import deepspeed
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+                if rank == 0:
+                    _write(param, value)

@@ -32,9 +32,9 @@ def _sequential_init(model, seed, std):
             p.copy_(value.to(p.dtype))
 
 
-def _plain_build(hf_config, dtype):
+def _plain_build(hf_config, dtype, seed=SEED, std=STD):
     model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation="sdpa")
-    _sequential_init(model, SEED, STD)
+    _sequential_init(model, seed, std)
     return model
 
 
@@ -139,3 +139,29 @@ def test_every_build_path_leaves_the_same_global_rng_state(monkeypatch, hf_init)
     after = torch.rand(4)
     torch.manual_seed(SEED)
     assert torch.equal(after, torch.rand(4))
+
+
+def _zero3_build_gathers_to_the_reference(rank, world):
+    import deepspeed
+    from dist_harness import patch_deepspeed_shm_build
+    patch_deepspeed_shm_build()
+    cfg = compose_config(["model=tiny", "parallelism=cp2", "precision=fp32", f"run.seed={SEED}",
+                          "deepspeed=zero3", "deepspeed.stage3_param_persistence_threshold=0"])
+    ds_dict = to_deepspeed_dict(cfg, validate(cfg, world))
+    assert ds_dict["zero_optimization"]["stage"] == 3
+    import engine.build
+    engine.build._HF_DS_CONFIG.clear()  # the reference is a plain build: no live ZeRO-3 config may leak into it
+    hf_config = hf_config_of(cfg.model)
+    ref = dict(_plain_build(hf_config, torch.float32, seed=SEED, std=hf_config.initializer_range).named_parameters())
+    model = build_hf_model(cfg, ds_dict)
+    params = list(model.named_parameters())
+    assert params and all(hasattr(p, "ds_id") for _, p in params)  # really partitioned
+    for name, p in params:
+        with deepspeed.zero.GatheredParameters([p]):
+            assert torch.equal(p.data, ref[name]), (rank, name)
+
+
+def test_zero3_build_at_world_2_gathers_to_the_reference_weights():
+    # the collective path: rank 0 draws ahead in threads, each parameter is gathered and broadcast in order
+    from dist_harness import run_ranks
+    run_ranks(_zero3_build_gathers_to_the_reference, 2)
