@@ -6,11 +6,15 @@
 # Parts:
 #   exact  tiny model fp32 (tight) and Llama-3.2-1B shape bf16, 3 steps at cp=1,2,..,NGPU: loss and grad_norm
 #          per step must agree across layouts (fp32 rel 1e-5; bf16 rel 2e-2) -> $OUT/exact_*.json
-#   scale  $MODEL (default Llama-3.1-8B shape, random init), ZeRO-3, bf16, cp=NGPU, S in $SEQS
+#   scale  $MODEL (default Llama-3.1-8B shape, random init), ZeRO-3, bf16, cp=NGPU, S in $SEQS with memory
+#          preset $MEMORY, or the S:memory list $POINTS; $STEPS steps (default 3); $EXTRA: more Hydra overrides
+#          (e.g. model.attn_backend=fa4 logging.profile_step=3, whose op table gives the all-to-all time)
 #   long   Llama-3.2-1B shape, one 1,048,576-token step at cp=NGPU (memory=long_context); ALST sp=2 took
 #          428.6 s on two H200s (../research/gpu_baseline.md section D)
-#   alst   DeepSpeed ALST sp=NGPU (../anchor-bench/alst_sp_sweep.py, Llama-3.2-1B shape), same S list;
-#          run `MODEL=llama3_2_1b ... scale` for our side of that comparison
+#   alst   DeepSpeed ALST sp=NGPU (../anchor-bench/alst_sp_sweep.py, Llama-3.2-1B shape), same S list, ZeRO stage
+#          $ALST_ZERO (default 1, as in ../research/gpu_baseline.md section D); run `MODEL=llama3_2_1b ... scale`
+#          for our side of that comparison
+#   topo   nvidia-smi's GPU list and link matrix
 # Needs .whl/ and .bench/anchor-bench as scripts/bench_gpu.sh does. Results under $OUT.
 set -u
 cd "$(dirname "$0")/.."
@@ -22,7 +26,8 @@ SITE=${BENCH_SITE:-/tmp/site}
 if [ -d .whl ] && [ ! -d "$SITE/deepspeed" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
 fi
-export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
+# a --target install skips .pth files: add nvidia_cutlass_dsl's (FA4, scripts/bench_gpu.sh site_fa4) by hand
+export PYTHONPATH=$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
 SEQS=${SEQS:-32768,65536,131072,262144}
 for part in ${*:-exact scale alst}; do
   echo "=== $part $(date +%T)"
@@ -34,13 +39,15 @@ for part in ${*:-exact scale alst}; do
           --out "$OUT/exact_${model}_${prec}.json"
       done ;;
     scale)   # ours, $MODEL (default the Llama-3.1-8B shape), cp = NGPU
-      python3 scripts/bench_train.py --model "${MODEL:-llama3_1_8b_shape}" --nproc "$NGPU" --steps 3 --timeout 560 \
-        --points "$(echo "$SEQS" | sed "s/,/:${MEMORY:-selective_tiled},/g"):${MEMORY:-selective_tiled}" ;;
+      python3 scripts/bench_train.py --model "${MODEL:-llama3_1_8b_shape}" --nproc "$NGPU" --steps "${STEPS:-3}" \
+        --timeout 560 --points "${POINTS:-$(echo "$SEQS" | sed "s/,/:${MEMORY:-selective_tiled},/g"):${MEMORY:-selective_tiled}}" \
+        ${EXTRA:-} ;;
     long)
       python3 scripts/bench_train.py --model llama3_2_1b --nproc "$NGPU" --steps 1 --timeout 580 \
-        --points 1048576:long_context ;;
+        --points 1048576:long_context ${EXTRA:-} ;;
     alst)    # the anchor: ALST sp = NGPU on its model (the Llama-3.2-1B shape); compare with MODEL=llama3_2_1b
-      python3 .bench/anchor-bench/alst_sp_sweep.py --nproc "$NGPU" --seqs "$SEQS" --zero 3 ;;
+      python3 .bench/anchor-bench/alst_sp_sweep.py --nproc "$NGPU" --seqs "$SEQS" --zero "${ALST_ZERO:-1}" ;;
+    topo) nvidia-smi -L; nvidia-smi topo -m ;;
     *) echo "unknown part $part" ;;
   esac
 done

@@ -58,6 +58,7 @@ def main():
                        for cp, rows in runs.items()}}
     text = json.dumps(report, indent=1)
     print(text)
+    print("CHECK " + json.dumps({k: report[k] for k in ("model", "precision", "ngpu", "rtol", "worst_rel_diff", "ok")}))
     if args.out:
         Path(args.out).write_text(text)
     sys.exit(0 if report["ok"] else 1)
