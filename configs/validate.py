@@ -16,7 +16,7 @@ from configs.memory import RECOMPUTE_METHODS, RECOMPUTE_POLICIES, MemoryConfig
 from configs.model import ATTN_BACKENDS, MODEL_SOURCES, MOE_FAMILIES, SUPPORTED_FAMILIES, ModelConfig
 from configs.parallel import MASTER_WEIGHTS
 from configs.train import DEVICES, PRECISIONS, TrainConfig
-from configs.trainer import TrainerConfig
+from configs.trainer import NONFINITE_POLICIES, TrainerConfig
 
 ZERO_STAGES = (2, 3)  # the stages whose gradient reduction over cp is verified exact (DESIGN 3.1)
 LATENT_ALIGN = 512  # a LatentMoE latent size must be a multiple of this
@@ -196,6 +196,7 @@ def _check_trainer(t: TrainerConfig) -> None:
     _require(t.lr > 0, f"trainer.lr={t.lr} must be > 0")
     _require(0.0 <= t.min_lr_ratio <= 1.0, f"trainer.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
     _require(t.grad_clip >= 0, f"trainer.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping)")
+    _one_of("trainer.on_nonfinite", t.on_nonfinite, NONFINITE_POLICIES)
     _require(t.gc_every >= 0, f"trainer.gc_every={t.gc_every} must be >= 0 (0 = never collect manually)")
     _require(t.save_every >= 0, f"trainer.save_every={t.save_every} must be >= 0 (0 = only at the end)")
     _require(t.loss_chunk_size >= 1, f"trainer.loss_chunk_size={t.loss_chunk_size} must be >= 1")
@@ -274,6 +275,13 @@ def _check_deepspeed(cfg: TrainConfig) -> None:
         f"deepspeed.master_weights={cfg.deepspeed.master_weights} needs precision=bf16 (got precision="
         f"{cfg.precision}: the master weights cannot be narrower than the model's); set precision=bf16 or "
         "deepspeed.master_weights=fp32",
+    )
+    # DeepSpeed skips an overflowing step only in its ZeRO-1/2 optimizer, and only checks in bf16/fp16
+    _require(
+        cfg.trainer.on_nonfinite != "skip" or (cfg.precision == "bf16" and stage == 2),
+        f"trainer.on_nonfinite=skip needs precision=bf16 and deepspeed=zero2 (got precision={cfg.precision}, "
+        f"deepspeed.zero_stage={stage}): only DeepSpeed's ZeRO-2 bf16 optimizer drops an overflowing step; "
+        "use trainer.on_nonfinite=abort, or precision=bf16 deepspeed=zero2",
     )
 
 

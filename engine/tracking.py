@@ -6,8 +6,11 @@ never prompts for a login: `online` without credentials is an error at start-up,
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 
 class Tracker:
@@ -18,6 +21,7 @@ class Tracker:
         self.wandb_run = None
         if not is_main:
             return
+        _continue_metrics_at(self.path, start_step)
         if cfg.progress_bar:
             from tqdm import tqdm
             self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
@@ -40,6 +44,28 @@ class Tracker:
             self.bar.close()
         if self.wandb_run is not None:
             self.wandb_run.finish()
+
+
+def _continue_metrics_at(path: Path, start_step: int) -> None:
+    """Make metrics.jsonl hold exactly the steps before this run's first, so that one file is one trajectory.
+
+    A run resumed from step k keeps rows 1..k and drops later ones (steps past the last checkpoint that are
+    about to run again); a fresh run (k = 0) moves an older run's file aside to metrics.prev.jsonl. Appending
+    would mix two trajectories, or repeat steps, in the file that plots and benchmarks read."""
+    if not path.exists():
+        return
+    if start_step == 0:
+        os.replace(path, path.with_name("metrics.prev.jsonl"))
+        log.warning("run.out_dir held metrics of an earlier run: moved to metrics.prev.jsonl")
+        return
+    lines = path.read_text().splitlines()
+    kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= start_step]
+    if len(kept) < len(lines):
+        tmp = path.with_name("metrics.jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, path)
+        log.warning("metrics.jsonl: dropped %d rows after step %d, which this resumed run computes again",
+                    len(lines) - len(kept), start_step)
 
 
 def _start_wandb(wcfg, config_dict: dict, out_dir: Path):

@@ -23,6 +23,7 @@ from .data import GlobalBatchSampler, build_dataset, collate, pad_id_of
 from .distributed import Runtime
 from .flops import count_params, detect_peak_tflops, step_flops
 from .hf_config import hf_config_of
+from .nonfinite import NonFiniteStep, judge, skipped_warning
 from .oom import oom_advice
 from .plot import plot_loss
 from .preemption import Preemption
@@ -87,7 +88,14 @@ def train(cfg: TrainConfig, plan: Plan, rt: Runtime) -> dict:
             record = _metrics(step + 1, result, lr, dt, rt, plan, num_params, hf_config, peak_tflops)
             if step + 1 == cfg.logging.profile_step:
                 record["profiled"] = True  # its step time includes the profiler's overhead and trace export
+            skipped, fatal = judge(result, cfg.trainer.on_nonfinite)
+            if skipped:
+                record["skipped"] = True
             tracker.log(record)
+            if fatal:  # logged first, so the bad step is on record; raised before any save
+                raise NonFiniteStep(step + 1, result, checkpoint.latest_tag(out_dir))
+            if skipped and rt.is_main:
+                log.warning(skipped_warning(step + 1, result))
             if cfg.trainer.gc_every and (step + 1) % cfg.trainer.gc_every == 0:
                 gc.collect()
             if cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0:

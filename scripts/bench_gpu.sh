@@ -6,9 +6,12 @@
 # Parts:
 #   attn         ulysses_attention (group of 1) vs the backend directly, bf16 Hq32/Hkv8 D128, 32k + 128k
 #   train_short  Llama-3.2-1B shape, 16k/32k/64k: ours (full recompute, ZeRO-3) and stock HF (anchor 'hf');
-#                $EXTRA as for train_long (e.g. deepspeed.master_weights=bf16: the anchor's bf16 optimizer states)
+#                $EXTRA as for train_long (e.g. deepspeed.master_weights=bf16: the anchor's bf16 optimizer states);
+#                $SHORT_POINTS replaces the S:memory list
 #   profile_16k  one 16k step of ours under torch.profiler (logging.profile_step, engine/profile.py; $EXTRA as
-#                above): the op table by GPU time is printed and kept as $OUT/0_profile_16k.txt
+#                above): the op table by GPU time is kept as $OUT/0_profile_16k.txt, and the per-phase breakdown
+#                of the trace (scripts/trace_phases.py: host ops, GPU busy and idle time) printed and kept as
+#                $OUT/0_phases_16k.txt
 #   train_long   $LONG_POINTS (S:memory, default 128k and 256k with except_attention): ours and ALST (anchor 'alst')
 #                $EXTRA: more Hydra overrides for our runs (e.g. model.attn_backend=fa4); $ANCHORS (default alst)
 #   site_fa4     pip-install the FA4 wheels of .fa4w/ (flash-attn-4, nvidia-cutlass-dsl meta/base/core, quack-kernels,
@@ -52,12 +55,13 @@ for part in ${*:-attn train_short train_long}; do
   echo "=== $part $(date +%T)"
   case $part in
     attn) python3 scripts/bench_attention.py --seqs 32768,131072 --reps 10 | tee -a "$OUT/attn.jsonl" ;;
-    train_short) python3 scripts/bench_train.py --points 16384:full_recompute,32768:full_recompute,65536:full_recompute \
+    train_short) python3 scripts/bench_train.py --points ${SHORT_POINTS:-16384:full_recompute,32768:full_recompute,65536:full_recompute} \
                    --anchors hf --steps 4 ${EXTRA:-} ;;
     profile_16k) OUT=$OUT/prof python3 scripts/bench_train.py --points 16384:full_recompute --steps 4 \
                    logging.profile_step=4 ${EXTRA:-}
-                 cp "$OUT"/prof/ours_16384_full_recompute/profile_step4_rank0.txt "$OUT/0_profile_16k.txt" \
-                   && head -45 "$OUT/0_profile_16k.txt" ;;
+                 cp "$OUT"/prof/ours_llama3_2_1b_16384_full_recompute_cp1/profile_step4_rank0.txt "$OUT/0_profile_16k.txt"
+                 python3 scripts/trace_phases.py "$OUT"/prof/ours_llama3_2_1b_16384_full_recompute_cp1/profile_step4_rank0.json \
+                   --top 12 | tee "$OUT/0_phases_16k.txt" ;;
     train_long) python3 scripts/bench_train.py --points ${LONG_POINTS:-131072:except_attention,262144:except_attention} \
                   --anchors "${ANCHORS-alst}" --steps ${LONG_STEPS:-2} ${EXTRA:-} ;;
     site_fa4) python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \

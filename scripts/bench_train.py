@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_ours(S, memory, args, out_root):
-    out = out_root / f"ours_{S}_{memory}"
+    out = out_root / f"ours_{args.model}_{S}_{memory}_cp{args.cp}"
     over = [f"model={args.model}", "data=synthetic", f"data.seq_len={S}", "data.num_samples=64",
             f"trainer.max_steps={args.steps}", f"trainer.global_batch_size={args.nproc // args.cp}",
             "trainer.micro_batch_size=1", "trainer.warmup_steps=1", "trainer.save_at_end=false",

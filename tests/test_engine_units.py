@@ -1,5 +1,6 @@
 """Engine pieces that must fail loudly: MFU over 100%, W&B without credentials, a half-written checkpoint,
 the gradient-reduction path check; plus the LR schedule and the W&B offline mode."""
+import json
 import os
 from pathlib import Path
 from types import SimpleNamespace
@@ -69,6 +70,21 @@ def test_wandb_offline_writes_a_local_run(tmp_path, monkeypatch):
     assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 1
 
 
+def _rows(n):
+    return "".join(json.dumps({"step": i, "loss": float(i)}) + "\n" for i in range(1, n + 1))
+
+
+def test_metrics_file_holds_one_trajectory(tmp_path):
+    # resumed from step 3 after a run that got to step 5 before dying: steps 4-5 run again, so their rows go
+    (tmp_path / "metrics.jsonl").write_text(_rows(5))
+    Tracker(tmp_path, _wandb_cfg("disabled"), True, 6, 3, {}).close()
+    assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+    # a fresh run in the same directory starts an empty file; the old one is kept aside
+    Tracker(tmp_path, _wandb_cfg("disabled"), True, 6, 0, {}).close()
+    assert not (tmp_path / "metrics.jsonl").exists()
+    assert (tmp_path / "metrics.prev.jsonl").read_text() == _rows(3)
+
+
 class _FailingEngine:
     def save_checkpoint(self, save_dir, tag, client_state, save_latest):
         (Path(save_dir) / tag).mkdir(parents=True)
@@ -122,14 +138,22 @@ def _ds_dict(overrides, world=1):
 
 def test_master_weights_map_to_deepspeed_bf16_keys():
     fp32 = _ds_dict(["precision=bf16"])
-    assert fp32["bf16"] == {"enabled": True}  # the default writes what it wrote before the field existed
-    assert _ds_dict([])["bf16"] == {"enabled": False}
+    assert fp32["bf16"] == {"enabled": True, "check_grad_overflow": False}
+    assert _ds_dict([])["bf16"] == {"enabled": False, "check_grad_overflow": False}
     bf16 = _ds_dict(["precision=bf16", "deepspeed.master_weights=bf16"])
-    assert bf16["bf16"] == {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+    assert bf16["bf16"] == {"enabled": True, "check_grad_overflow": False, "bf16_master_weights_and_grads": True,
+                            "bf16_optimizer_states": True}
     assert {k: v for k, v in bf16.items() if k != "bf16"} == {k: v for k, v in fp32.items() if k != "bf16"}
     # offload: DeepSpeed builds its CPU Adam from this section, with bf16 moments because of the keys above
     offload = _ds_dict(["precision=bf16", "deepspeed=zero3_offload", "deepspeed.master_weights=bf16"])
     assert offload["optimizer"]["type"] == "AdamW" and offload["bf16"] == bf16["bf16"]
+
+
+def test_deepspeed_overflow_check_runs_only_when_steps_are_skipped():
+    # DeepSpeed's own default is on; under abort the loop checks the grad norm instead (engine/train.py)
+    assert _ds_dict(["precision=bf16"])["bf16"]["check_grad_overflow"] is False
+    skip = _ds_dict(["precision=bf16", "deepspeed=zero2", "trainer.on_nonfinite=skip"])
+    assert skip["bf16"]["check_grad_overflow"] is True
 
 
 def test_resume_refuses_another_master_precision_and_reads_older_checkpoints_as_fp32():

@@ -1,0 +1,84 @@
+#!/usr/bin/env python3
+"""Where one profiled step's time goes, phase by phase, from the Chrome trace that logging.profile_step writes.
+
+    python3 scripts/trace_phases.py outputs/run/profile_step4_rank0.json [--top 15]
+
+torch.profiler's op table sums over the whole step; it cannot say which phase an op ran in, nor whether the
+GPU sat idle waiting for the host. For each phase.* range (engine/profile.py marks forward, backward and
+optimizer) this prints:
+- host side: the span, the top-level operators by total time, and how many kernels were launched;
+- device side (CUDA traces): the span of the phase's GPU range, the time kernels and copies kept the GPU
+  busy in it, the idle remainder (host-bound time), and the kernels by total time.
+"""
+import argparse
+import json
+from collections import defaultdict
+
+DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
+
+
+def _within(e, lo, hi):
+    return lo <= e["ts"] and e["ts"] + e.get("dur", 0) <= hi + 1e-3
+
+
+def _top_level(ops):
+    """Operators not nested in another operator of the same thread (their times do not double count)."""
+    out, ends = [], {}
+    for e in sorted(ops, key=lambda e: (e["ts"], -e.get("dur", 0))):
+        key = (e.get("pid"), e.get("tid"))
+        if e["ts"] >= ends.get(key, -1.0):
+            out.append(e)
+            ends[key] = e["ts"] + e.get("dur", 0)
+    return out
+
+
+def _table(events, top):
+    by = defaultdict(lambda: [0.0, 0])
+    for e in events:
+        by[e["name"]][0] += e.get("dur", 0)
+        by[e["name"]][1] += 1
+    rows = sorted(by.items(), key=lambda kv: -kv[1][0])[:top]
+    return [f"    {ms(d):>9} ms  x{n:<5} {name[:100]}" for name, (d, n) in rows]
+
+
+def ms(us):
+    return f"{us / 1000:.2f}"
+
+
+def report(events, top):
+    lines = []
+    phases = sorted((e for e in events if e.get("name", "").startswith("phase.") and e.get("ph") == "X"),
+                    key=lambda e: e["ts"])
+    cpu_ops = [e for e in events if e.get("cat") == "cpu_op" and e.get("ph") == "X"]
+    launches = [e for e in events if e.get("cat") == "cuda_runtime" and "Launch" in e.get("name", "")]
+    device = [e for e in events if e.get("cat") in DEVICE_CATS and e.get("ph") == "X"]
+    for ph in phases:
+        lo, hi = ph["ts"], ph["ts"] + ph["dur"]
+        if ph.get("cat") == "gpu_user_annotation":
+            inside = [e for e in device if _within(e, lo, hi)]
+            busy = sum(e["dur"] for e in inside)
+            lines.append(f"{ph['name']} GPU: span {ms(ph['dur'])} ms, busy {ms(busy)} ms, "
+                         f"idle {ms(ph['dur'] - busy)} ms, {len(inside)} kernels/copies")
+            lines += _table(inside, top)
+        else:
+            ops = _top_level([e for e in cpu_ops if _within(e, lo, hi)])
+            n_launch = sum(1 for e in launches if _within(e, lo, hi))
+            lines.append(f"{ph['name']} host: span {ms(ph['dur'])} ms, {len(ops)} top-level ops, "
+                         f"{n_launch} kernel launches")
+            lines += _table(ops, top)
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("trace")
+    ap.add_argument("--top", type=int, default=15)
+    args = ap.parse_args()
+    with open(args.trace) as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    print(report(events, args.top))
+
+
+if __name__ == "__main__":
+    main()
