@@ -52,7 +52,8 @@ def run_ours(S, memory, args, out_root):
     step_s = statistics.median(r["step_time_s"] for r in timed)
     last = rows[-1]
     res.update(step_s=step_s, timed_steps=len(timed), tokens_per_s_per_gpu=S * args.nproc / args.cp / step_s / args.nproc,
-               tflops_per_gpu=statistics.median(r["tflops_per_gpu"] for r in timed), mfu=last["mfu"],
+               tflops_per_gpu=statistics.median(r["tflops_per_gpu"] for r in timed),
+               mfu=statistics.median(r["mfu"] for r in timed) if last["mfu"] is not None else None,
                peak_alloc_gib=last["peak_mem_gib"], peak_reserved_gib=last["peak_reserved_gib"],
                loss=last["loss"],
                **{k: statistics.median(r[k] for r in timed) for k in last if k.startswith("time_")})
