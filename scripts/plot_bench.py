@@ -2,6 +2,11 @@
 """Plot tokens/s per GPU and peak memory against sequence length from bench_train.jsonl files.
 
     python3 scripts/plot_bench.py docs/results/h200-2026-11-29/bench_train.jsonl --out docs/bench_1gpu.png
+    python3 scripts/plot_bench.py docs/results/h200x2-2026-11-30/side_by_side.jsonl --out docs/bench_2gpu.png \
+        --title "Llama-3.2-1B shape, two H200s (cp = sp = 2), bf16, one sequence per step"
+
+Our series are split by attention backend (model.attn_backend=...; sdpa when a run names none, as bench_train
+pins it).
 """
 import argparse
 import json
@@ -19,6 +24,10 @@ def series(rows):
     out = {}
     for r in rows:
         name = {"ours": "ds_ulysses_ext", "hf": "stock HF", "alst": "DeepSpeed ALST"}[r["variant"]]
+        # bench_train pins sdpa unless a run names its backend
+        backend = [o.split("=", 1)[1] for o in r.get("overrides") or [] if o.startswith("model.attn_backend=")]
+        if r["variant"] == "ours":
+            name += f" ({(backend or ['sdpa'])[0]})"
         tps = r.get("tokens_per_s_per_gpu") or r.get("tokens_per_s")
         mem = r.get("peak_alloc_gib")
         out.setdefault(name, []).append((r["S"], tps, mem, r.get("memory", "")))
@@ -29,6 +38,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("files", nargs="+")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--title", default="Llama-3.2-1B shape, one H200, bf16, one sequence per step")
     args = ap.parse_args()
     import matplotlib
     matplotlib.use("Agg")
@@ -49,7 +59,7 @@ def main():
         ax.grid(alpha=0.3)
     a2.axhline(139.8, color="grey", ls="--", lw=0.8)
     a1.legend()
-    fig.suptitle("Llama-3.2-1B shape, one H200, bf16, one sequence per step")
+    fig.suptitle(args.title)
     fig.tight_layout()
     fig.savefig(args.out, dpi=120)
 
