@@ -21,9 +21,10 @@ class TrainerConfig:
     adam_eps: float = 1e-8
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
     # A step whose loss or gradient norm is inf/NaN. abort: the run stops with an error after logging that step,
-    # and saves nothing after it. skip: DeepSpeed's overflow check (bf16, ZeRO-2) drops the update and the step
-    # is logged with "skipped": true; that check scans every gradient tensor before each step (~1,000 small
-    # kernels for a 16-layer model, 24 ms per step at 1B on an H200), which abort does not need.
+    # and saves nothing after it. skip: DeepSpeed drops the update and the step is logged with "skipped": true.
+    # DeepSpeed's ZeRO-3 and fp32 paths judge by the gradient norm; its bf16 ZeRO-2 path needs a scan of every
+    # gradient tensor before each step (~1,000 small kernels for a 16-layer model, 24 ms per step at 1B on an
+    # H200), which is turned on for skip only (engine/ds_config.py).
     on_nonfinite: str = "abort"
     # Python GC every N steps on all ranks together: a collection that lands on one rank alone stalls the
     # collectives of all the others. 0 = never collect manually.

@@ -276,13 +276,6 @@ def _check_deepspeed(cfg: TrainConfig) -> None:
         f"{cfg.precision}: the master weights cannot be narrower than the model's); set precision=bf16 or "
         "deepspeed.master_weights=fp32",
     )
-    # DeepSpeed skips an overflowing step only in its ZeRO-1/2 optimizer, and only checks in bf16/fp16
-    _require(
-        cfg.trainer.on_nonfinite != "skip" or (cfg.precision == "bf16" and stage == 2),
-        f"trainer.on_nonfinite=skip needs precision=bf16 and deepspeed=zero2 (got precision={cfg.precision}, "
-        f"deepspeed.zero_stage={stage}): only DeepSpeed's ZeRO-2 bf16 optimizer drops an overflowing step; "
-        "use trainer.on_nonfinite=abort, or precision=bf16 deepspeed=zero2",
-    )
 
 
 def _check_parallelism(cfg: TrainConfig, world_size: int) -> int:

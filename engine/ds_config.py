@@ -58,8 +58,9 @@ def to_deepspeed_dict(cfg: TrainConfig, plan: Plan) -> dict:
 
 
 def bf16_section(cfg: TrainConfig) -> dict:
-    # DeepSpeed's bf16 overflow check runs only where trainer.on_nonfinite=skip asks for it: under abort the
-    # loop stops on the global grad norm, which is already non-finite whenever any gradient element is
+    # DeepSpeed's per-tensor bf16 overflow scan runs only where trainer.on_nonfinite=skip asks for it (its ZeRO-2
+    # bf16 path skips no step without it). Under abort the loop stops on the global grad norm, which is already
+    # non-finite whenever any gradient element is
     section = {"enabled": cfg.precision == "bf16", "check_grad_overflow": cfg.trainer.on_nonfinite == "skip"}
     if cfg.deepspeed.master_weights == "bf16":
         # both keys: DeepSpeed 0.19.8 allows bf16 master weights beside fp32 moments only with ZeRO-Offload's

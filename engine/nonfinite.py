@@ -20,7 +20,7 @@ class NonFiniteStep(RuntimeError):
             f"step {step}: loss={result.loss} grad_norm={result.grad_norm} is not finite, so the run stops "
             f"(trainer.on_nonfinite=abort); the step is in metrics.jsonl, nothing after it is saved, and {where}. "
             "Usual causes: a learning rate too high for the warmup, a corrupt sample, or an overflow in a custom "
-            "layer. To drop such steps and go on instead: trainer.on_nonfinite=skip (precision=bf16, deepspeed=zero2)"
+            "layer. To drop such steps and go on instead: trainer.on_nonfinite=skip"
         )
 
 

@@ -265,20 +265,6 @@ REFUSALS = [
         r"trainer\.on_nonfinite=ignore is not one of \{abort, skip\}",
     ),
     (
-        "skip_nonfinite_in_fp32",
-        ["trainer.on_nonfinite=skip", "deepspeed=zero2"],
-        2,
-        r"trainer\.on_nonfinite=skip needs precision=bf16 and deepspeed=zero2 \(got precision=fp32, "
-        r"deepspeed\.zero_stage=2\).*use trainer\.on_nonfinite=abort",
-    ),
-    (
-        "skip_nonfinite_under_zero3",
-        ["trainer.on_nonfinite=skip", "precision=bf16"],
-        2,
-        r"trainer\.on_nonfinite=skip needs precision=bf16 and deepspeed=zero2 \(got precision=bf16, "
-        r"deepspeed\.zero_stage=3\)",
-    ),
-    (
         "left_padding",
         ["data.padding_side=left"],
         2,
