@@ -25,8 +25,9 @@ class NonFiniteStep(RuntimeError):
 
 
 def judge(result: StepResult, policy: str) -> tuple[bool, bool]:
-    """(skipped, fatal) for a finished step. DeepSpeed skipped the update only under policy 'skip' and only
-    because a gradient overflowed; a non-finite loss beside finite gradients was applied, so it is fatal."""
+    """(skipped, fatal) for a finished step. A non-finite gradient norm means DeepSpeed dropped the update (skip
+    turns on its bf16 ZeRO-2 scan; its other paths drop by the norm); skip reports that, abort stops. A
+    non-finite loss beside finite gradients was applied, so it is fatal under both."""
     grad_ok, loss_ok = math.isfinite(result.grad_norm), math.isfinite(result.loss)
     skipped = policy == "skip" and not grad_ok
     fatal = not skipped and not (grad_ok and loss_ok)

@@ -59,13 +59,21 @@ def _continue_metrics_at(path: Path, start_step: int) -> None:
         log.warning("run.out_dir held metrics of an earlier run: moved to metrics.prev.jsonl")
         return
     lines = path.read_text().splitlines()
-    kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= start_step]
+    kept = [line for line in lines if _step_of(line) <= start_step]
     if len(kept) < len(lines):
         tmp = path.with_name("metrics.jsonl.tmp")
         tmp.write_text("".join(line + "\n" for line in kept))
         os.replace(tmp, path)
         log.warning("metrics.jsonl: dropped %d rows after step %d, which this resumed run computes again",
                     len(lines) - len(kept), start_step)
+
+
+def _step_of(line: str) -> float:
+    """A row's step; a line torn by a crash mid-write counts as past every step, so it is dropped."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return float("inf")
 
 
 def _start_wandb(wcfg, config_dict: dict, out_dir: Path):

@@ -76,7 +76,7 @@ def _rows(n):
 
 def test_metrics_file_holds_one_trajectory(tmp_path):
     # resumed from step 3 after a run that got to step 5 before dying: steps 4-5 run again, so their rows go
-    (tmp_path / "metrics.jsonl").write_text(_rows(5))
+    (tmp_path / "metrics.jsonl").write_text(_rows(5) + '{"step": 6, "lo')  # the last line torn by the crash
     Tracker(tmp_path, _wandb_cfg("disabled"), True, 6, 3, {}).close()
     assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
     # a fresh run in the same directory starts an empty file; the old one is kept aside
