@@ -41,7 +41,8 @@ def run_ours(S, memory, args, out_root):
            str(ROOT / "scripts" / "train.py")] + over
     t0 = time.time()
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-    res = dict(variant="ours", model=args.model, S=S, memory=memory, cp=args.cp, nproc=args.nproc, deepspeed=args.deepspeed,
+    res = dict(variant="ours", model=args.model, S=S, memory=memory, cp=args.cp, nproc=args.nproc,
+               deepspeed=args.deepspeed,
                overrides=args.extra, wall_s=time.time() - t0, rc=p.returncode)
     metrics = out / "metrics.jsonl"
     rows = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
