@@ -27,6 +27,9 @@ class MemoryConfig:
     # so long context keeps most attention outputs and re-runs attention only in the recomputed layers
     selective_kept: bool = False
     offload_activations: bool = False  # saved activations go to pinned host memory during forward
+    # offload_activations: host GiB per rank that one forward may fill; past it, the remaining (deepest) saved
+    # tensors stay on the GPU. 0 = no cap. For ranks whose host memory cannot hold every layer input.
+    offload_max_gib: float = 0.0
     tiled_mlp: bool = False  # run the MLP over sequence tiles so its intermediate never exists whole
     mlp_tile_tokens: int = 8192  # tiled_mlp: tokens per tile
     expandable_segments: bool = True  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; less fragmentation

@@ -255,6 +255,12 @@ def _check_memory(mem: MemoryConfig, arch: Mapping[str, Any]) -> None:
         not mem.tiled_mlp or mem.mlp_tile_tokens >= 1,
         f"memory.tiled_mlp=true needs memory.mlp_tile_tokens >= 1, got {mem.mlp_tile_tokens}",
     )
+    _require(
+        mem.offload_max_gib >= 0 and (mem.offload_max_gib == 0 or mem.offload_activations),
+        f"memory.offload_max_gib={mem.offload_max_gib} must be >= 0 and only caps memory.offload_activations=true "
+        f"(got offload_activations={mem.offload_activations}); set memory.offload_activations=true or "
+        "memory.offload_max_gib=0",
+    )
 
 
 def _check_deepspeed(cfg: TrainConfig) -> None:

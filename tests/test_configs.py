@@ -265,6 +265,13 @@ REFUSALS = [
         r"trainer\.on_nonfinite=ignore is not one of \{abort, skip\}",
     ),
     (
+        "offload_cap_without_offload",
+        ["memory.offload_max_gib=40"],
+        2,
+        r"memory\.offload_max_gib=40\.0 must be >= 0 and only caps memory\.offload_activations=true \(got "
+        r"offload_activations=False\); set memory\.offload_activations=true or memory\.offload_max_gib=0$",
+    ),
+    (
         "left_padding",
         ["data.padding_side=left"],
         2,

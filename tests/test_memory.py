@@ -46,6 +46,9 @@ CASES = {
     "selective": (lambda: [SelectiveRecompute()], NORMS + ["hf.model.norm"] + MLPS),
     "budget": (lambda: [BudgetRecompute(7.5, PROBE)], [LAYER.format(0), LAYER.format(1), LAYER.format(2)]),
     "offload": (lambda: [OffloadActivations(min_bytes=0)], ["hf.model"]),
+    # a host cap that the first layers' inputs reach (3,328 bytes each here): the later ones stay on the device
+    "full_offload_capped": (lambda: [FullRecompute(), OffloadActivations(min_bytes=0, max_host_bytes=7000)],
+                            [LAYER.format(i) for i in range(LAYERS)] + ["hf.model"]),
     "tiled": (lambda: [TiledMLP(TILE)], MLPS),
     "block_offload_tiled": (lambda: [BlockRecompute(2, "uniform"), TiledMLP(TILE), OffloadActivations(min_bytes=0)],
                             [LAYER.format(0), LAYER.format(2), "hf.model"] + MLPS),
@@ -119,6 +122,32 @@ def test_offload_moves_activations_not_parameters():
     _run(lm, local)
     assert policy.stats["offloaded"] > 0 and policy.stats["kept_params"] > 0 and policy.stats["kept_small"] > 0
     policy.remove()
+
+
+def test_offload_host_cap_keeps_the_deepest_saved_tensors_on_the_device():
+    topo = init_topology(1)
+    lm = _lm(topo)
+    local = shard_batch(dict(zip(("input_ids", "labels"), _batch())), topo)
+    free = FullRecompute().apply(lm.hf)  # what is saved is the layer inputs, one per layer
+    uncapped = OffloadActivations(min_bytes=0).apply(lm.hf)
+    _run(lm, local)
+    cap = uncapped.stats["offloaded_bytes"] // 2
+    uncapped.remove()
+    capped = OffloadActivations(min_bytes=0, max_host_bytes=cap).apply(lm.hf)
+    packed_in_order = []
+    pack = capped._pack
+    capped._pack = lambda t: packed_in_order.append(pack(t)) or packed_in_order[-1]
+    _run(lm, local)
+    assert 0 < capped.stats["offloaded_bytes"] <= cap and capped.stats["kept_over_cap"] > 0, capped.stats
+    assert capped.stats["offloaded"] + capped.stats["kept_over_cap"] == uncapped.stats["offloaded"], capped.stats
+    moved = [not isinstance(p, torch.Tensor) for p in packed_in_order if not _is_param_like(p)]
+    assert moved == sorted(moved, reverse=True), moved  # offloaded first, kept after: never interleaved
+    capped.remove()
+    free.remove()
+
+
+def _is_param_like(p):
+    return isinstance(p, torch.nn.Parameter) or hasattr(p, "ds_id")
 
 
 def test_tiled_mlp_runs_tiles_and_accumulates_each_weight_once():
@@ -293,6 +322,7 @@ ZERO3_CASES = {  # name -> (policies, sequence lengths); 26 gives 13 local token
     "block_block": (lambda: [BlockRecompute(2, "block")], (26,)),
     "selective": (lambda: [SelectiveRecompute()], (26,)),
     "offload": (lambda: [OffloadActivations(min_bytes=0)], (26,)),
+    "full_offload_capped": (lambda: [FullRecompute(), OffloadActivations(min_bytes=0, max_host_bytes=7000)], (26,)),
     "tiled": (lambda: [TiledMLP(TILE)], (26, 32)),
     "block_offload_tiled": (lambda: [BlockRecompute(2, "uniform"), TiledMLP(TILE), OffloadActivations(min_bytes=0)],
                             (26, 32)),

@@ -71,7 +71,7 @@ def build_memory_policies(memory_cfg, model: torch.nn.Module,
     if memory_cfg.tiled_mlp:
         policies.append(TiledMLP(memory_cfg.mlp_tile_tokens))
     if memory_cfg.offload_activations:
-        policies.append(OffloadActivations())
+        policies.append(OffloadActivations(max_host_bytes=int(getattr(memory_cfg, "offload_max_gib", 0.0) * 2**30)))
     return policies
 
 

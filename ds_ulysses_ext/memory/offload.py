@@ -4,7 +4,10 @@ The decoder's forward runs inside `torch.autograd.graph.saved_tensors_hooks(pack
 tensors that covers depends on the other policies, because a checkpointed region's own hooks are
 innermost and hide its internals: under full recompute it is the layer inputs (what a checkpoint keeps),
 under TiledMLP the tile inputs, and with no recompute every saved activation. Only tensors of at least
-`min_bytes` move; the rest stay where they are.
+`min_bytes` move; the rest stay where they are. With `max_host_bytes`, a forward stops offloading once
+that many bytes are on the host: the tensors saved after that (the deepest layers, which backward needs
+first) stay on the device. That is how a rank whose host memory cannot take every layer input still
+offloads as many of them as the host can hold.
 
 On CUDA, pack copies into pinned host memory on a side stream (after the producing work, via
 wait_stream) and records an event; `record_stream` keeps the device block from being reused before the
@@ -55,16 +58,19 @@ class OffloadActivations(MemoryPolicy):
 
     name = "offload"
 
-    def __init__(self, min_bytes: int = 1 << 20, prefetch: int = 2, max_inflight_bytes: int = 2 << 30) -> None:
+    def __init__(self, min_bytes: int = 1 << 20, prefetch: int = 2, max_inflight_bytes: int = 2 << 30,
+                 max_host_bytes: int = 0) -> None:
         super().__init__()
         self.min_bytes = min_bytes
+        self.max_host_bytes = max_host_bytes  # per forward; 0 = no cap
         self.prefetch = prefetch
         self.max_inflight_bytes = max_inflight_bytes
         self._stream = None
         self._inflight: deque = deque()  # (event, bytes) of device-to-host copies not known to be done
         self._inflight_bytes = 0
         self._packed: list[weakref.ref] = []  # this forward's packed tensors, in pack order
-        self.stats = {"offloaded": 0, "offloaded_bytes": 0, "kept_params": 0, "kept_small": 0}
+        self.stats = {"offloaded": 0, "offloaded_bytes": 0, "kept_params": 0, "kept_small": 0, "kept_over_cap": 0}
+        self._host_full = False  # this forward reached max_host_bytes: nothing more is offloaded
 
     def _apply(self, model: torch.nn.Module) -> None:
         self._wrap_forward(decoder_of(model), self._with_hooks)
@@ -75,6 +81,7 @@ class OffloadActivations(MemoryPolicy):
                 return forward(*args, **kwargs)
             self._packed = []  # weak references: a freed graph frees its host copies
             self.stats = dict.fromkeys(self.stats, 0)
+            self._host_full = False
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 return forward(*args, **kwargs)
         return wrapper
@@ -87,6 +94,12 @@ class OffloadActivations(MemoryPolicy):
         nbytes = t.numel() * t.element_size()
         if nbytes < self.min_bytes or t.layout != torch.strided:
             self.stats["kept_small"] += 1
+            return t
+        # once full, stay full: what stays on the device is the end of the forward, which backward reads first
+        self._host_full = self._host_full or (
+            self.max_host_bytes > 0 and self.stats["offloaded_bytes"] + nbytes > self.max_host_bytes)
+        if self._host_full:
+            self.stats["kept_over_cap"] += 1
             return t
         self.stats["offloaded"] += 1
         self.stats["offloaded_bytes"] += nbytes
@@ -175,4 +188,4 @@ class OffloadActivations(MemoryPolicy):
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(min_bytes={self.min_bytes}, prefetch={self.prefetch}, "
-                f"max_inflight_bytes={self.max_inflight_bytes})")
+                f"max_inflight_bytes={self.max_inflight_bytes}, max_host_bytes={self.max_host_bytes})")
