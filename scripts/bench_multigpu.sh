@@ -14,6 +14,11 @@
 #   alst   DeepSpeed ALST sp=NGPU (../anchor-bench/alst_sp_sweep.py, Llama-3.2-1B shape), same S list, ZeRO stage
 #          $ALST_ZERO (default 1, as in ../research/gpu_baseline.md section D); run `MODEL=llama3_2_1b ... scale`
 #          for our side of that comparison
+#   fit8b  whether the Llama-3.1-8B shape fits at $FIT_S tokens (default 4,194,304, past ALST's published 3.7M on
+#          8 GPUs): one step with 4 of its 32 layers, memory=long_context, memory.offload_max_gib=$OFFLOAD_GIB
+#          (default 56, for a 560 GiB host over 8 ranks). A full 32-layer step at 4M is about an hour on 8 H200s
+#          (attention-bound), longer than a device session; the GPU peak of 4 layers is the working set, and
+#          the 32-layer peak adds the layer inputs the cap leaves on the GPU (docs/memory.md)
 #   topo   nvidia-smi's GPU list and link matrix
 # Needs .whl/ and .bench/anchor-bench as scripts/bench_gpu.sh does. Results under $OUT.
 set -u
@@ -47,6 +52,10 @@ for part in ${*:-exact scale alst}; do
         --points 1048576:long_context ${EXTRA:-} ;;
     alst)    # the anchor: ALST sp = NGPU on its model (the Llama-3.2-1B shape); compare with MODEL=llama3_2_1b
       python3 .bench/anchor-bench/alst_sp_sweep.py --nproc "$NGPU" --seqs "$SEQS" --zero "${ALST_ZERO:-1}" ;;
+    fit8b)
+      python3 scripts/bench_train.py --model llama3_1_8b_shape --nproc "$NGPU" --steps 1 --timeout 580 \
+        --points "${FIT_S:-4194304}:long_context" model.attn_backend=fa4 model.arch.num_hidden_layers=4 \
+        memory.offload_max_gib="${OFFLOAD_GIB:-56}" ;;
     topo) nvidia-smi -L; nvidia-smi topo -m ;;
     *) echo "unknown part $part" ;;
   esac
