@@ -23,6 +23,7 @@ from .data import GlobalBatchSampler, build_dataset, collate, pad_id_of
 from .distributed import Runtime
 from .flops import count_params, detect_peak_tflops, step_flops
 from .hf_config import hf_config_of
+from .host_memory import available_gib, local_ranks, offload_estimate_gib, offload_report
 from .nonfinite import NonFiniteStep, judge, skipped_warning
 from .oom import oom_advice
 from .plot import plot_loss
@@ -52,7 +53,11 @@ def train(cfg: TrainConfig, plan: Plan, rt: Runtime) -> dict:
     if tag is not None:
         checkpoint.check_resume(out_dir, tag, fingerprint)
 
-    # --- model and engine
+    # --- model and engine; what offload will ask of the host is said first (a host OOM kills without an error)
+    offload_gib = offload_estimate_gib(cfg, plan, hf_config.hidden_size, hf_config.num_hidden_layers)
+    if offload_gib is not None and rt.is_main:
+        message, too_much = offload_report(offload_gib, local_ranks(), available_gib())
+        (log.warning if too_much else log.info)(message)
     engine, hf, scale = build(cfg, plan, topo, rt.device)
     num_params = count_params(hf)
     peak_tflops = cfg.logging.peak_tflops or detect_peak_tflops(rt.device)
