@@ -186,7 +186,7 @@ def one_pass_zero2_grad_norm() -> None:
                  and (is_model_parallel_parameter(p) or self.model_parallel_rank == 0)]
         if grads:
             norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)  # bf16 results would round to 8 bits
-            total = torch.stack([n.double() for n in norms]).pow(2).sum().float()
+            total = torch.stack(norms).double().pow(2).sum().float()  # one cast, not one per tensor
         else:
             total = torch.tensor(0.0, dtype=torch.float32, device=self.device)
         ds_dist.all_reduce(total, op=ds_dist.ReduceOp.SUM, group=self.dp_process_group)
