@@ -13,7 +13,7 @@
 #          428.6 s on two H200s (../research/gpu_baseline.md section D)
 #   alst   DeepSpeed ALST sp=NGPU (../anchor-bench/alst_sp_sweep.py, Llama-3.2-1B shape), same S list, ZeRO stage
 #          $ALST_ZERO (default 1, as in ../research/gpu_baseline.md section D); run `MODEL=llama3_2_1b ... scale`
-#          for our side of that comparison
+#          for our side of that comparison; $ALST_DEADLINE_S (default 500) bounds the sweep (1M at sp=2: ~470 s)
 #   fit8b  whether the Llama-3.1-8B shape fits at $FIT_S tokens (default 4,194,304, past ALST's published 3.7M on
 #          8 GPUs): one step with 4 of its 32 layers, memory=long_context, memory.offload_max_gib=$OFFLOAD_GIB
 #          (default 56, for a 560 GiB host over 8 ranks). A full 32-layer step at 4M is about an hour on 8 H200s
@@ -51,7 +51,8 @@ for part in ${*:-exact scale alst}; do
       python3 scripts/bench_train.py --model llama3_2_1b --nproc "$NGPU" --steps 1 --timeout 580 \
         --points 1048576:long_context ${EXTRA:-} ;;
     alst)    # the anchor: ALST sp = NGPU on its model (the Llama-3.2-1B shape); compare with MODEL=llama3_2_1b
-      python3 .bench/anchor-bench/alst_sp_sweep.py --nproc "$NGPU" --seqs "$SEQS" --zero "${ALST_ZERO:-1}" ;;
+      python3 .bench/anchor-bench/alst_sp_sweep.py --nproc "$NGPU" --seqs "$SEQS" --zero "${ALST_ZERO:-1}" \
+        --deadline-s "${ALST_DEADLINE_S:-500}" ;;
     fit8b)
       python3 scripts/bench_train.py --model llama3_1_8b_shape --nproc "$NGPU" --steps 1 --timeout 580 \
         --points "${FIT_S:-4194304}:long_context" model.attn_backend=fa4 model.arch.num_hidden_layers=4 \
