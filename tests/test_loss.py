@@ -66,6 +66,22 @@ def test_fused_loss_without_grad_and_with_a_frozen_head():
     assert count == 0 and total.item() == 0.0
 
 
+def test_fused_loss_under_no_grad_builds_no_gradients(monkeypatch):
+    # evaluation runs the fused head under no_grad: the loss alone, not the chunk gradients it saves for training
+    from ds_ulysses_ext import loss as loss_mod
+    seen = []
+    forward = loss_mod._LinearCrossEntropySum.forward
+    monkeypatch.setattr(loss_mod._LinearCrossEntropySum, "forward",
+                        staticmethod(lambda ctx, *a: seen.append(tuple(ctx.needs_input_grad[:2])) or forward(ctx, *a)))
+    weight = torch.randn(7, 4, requires_grad=True)
+    hidden = torch.randn(1, 5, 4, requires_grad=True)
+    labels = torch.tensor([[1, 2, IGNORE_INDEX, 3, 6]])
+    with torch.no_grad():
+        got, _ = linear_cross_entropy_sum(weight, hidden, labels, chunk_size=2)
+    ref = F.cross_entropy(hidden[0] @ weight.t(), labels[0], ignore_index=IGNORE_INDEX, reduction="sum")
+    assert seen == [(False, False)] and _rel(got, ref.detach()) < RTOL
+
+
 def test_fully_masked_chunk_gives_zero_not_nan():
     head = torch.nn.Linear(4, 5)
     total, count = chunked_lm_loss_sum(head, torch.randn(1, 3, 4), torch.full((1, 3), IGNORE_INDEX), chunk_size=2)
