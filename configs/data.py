@@ -20,6 +20,9 @@ class DataConfig:
     seq_len: int = 256
     masked_fraction: float = 0.25  # synthetic: fraction of labels set to -100, so masking is exercised
     num_samples: int = 4096  # synthetic: dataset size
+    # the last N samples of the dataset (after truncation/dropping) are held out of training and scored every
+    # trainer.eval_every steps (engine/evaluate.py); 0 = no held-out set
+    eval_samples: int = 0
     overlong: str = "truncate"  # a sample longer than seq_len: truncate it, or drop it
     on_bad_line: str = "skip"  # an unparsable jsonl line: skip it (counted in the logs), or fail the run
     # Only "right" is accepted: labels are shifted on the full sequence before the cp split, which assumes

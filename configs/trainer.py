@@ -29,6 +29,9 @@ class TrainerConfig:
     # Python GC every N steps on all ranks together: a collection that lands on one rank alone stalls the
     # collectives of all the others. 0 = never collect manually.
     gc_every: int = 50
+    # every N steps and at the last step: the loss on the data.eval_samples held-out samples (metrics eval_loss,
+    # eval_tokens); 0 = never
+    eval_every: int = 0
     save_every: int = 0  # checkpoint every N steps; 0 = only at the end (if save_at_end)
     save_at_end: bool = True
     resume: bool = True  # resume from out_dir's latest checkpoint if there is one

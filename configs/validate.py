@@ -47,6 +47,7 @@ def validate(cfg: TrainConfig, world_size: int) -> Plan:
     _check_data(cfg.data)
     _check_positions(cfg)
     _check_trainer(cfg.trainer)
+    _check_eval(cfg)
     _check_memory(cfg.memory, cfg.model.arch)
     _check_deepspeed(cfg)
     dp = _check_parallelism(cfg, world_size)
@@ -198,8 +199,20 @@ def _check_trainer(t: TrainerConfig) -> None:
     _require(t.grad_clip >= 0, f"trainer.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping)")
     _one_of("trainer.on_nonfinite", t.on_nonfinite, NONFINITE_POLICIES)
     _require(t.gc_every >= 0, f"trainer.gc_every={t.gc_every} must be >= 0 (0 = never collect manually)")
+    _require(t.eval_every >= 0, f"trainer.eval_every={t.eval_every} must be >= 0 (0 = never evaluate)")
     _require(t.save_every >= 0, f"trainer.save_every={t.save_every} must be >= 0 (0 = only at the end)")
     _require(t.loss_chunk_size >= 1, f"trainer.loss_chunk_size={t.loss_chunk_size} must be >= 1")
+
+
+def _check_eval(cfg: TrainConfig) -> None:
+    held, every = cfg.data.eval_samples, cfg.trainer.eval_every
+    _require(held >= 0, f"data.eval_samples={held} must be >= 0 (0 = no held-out set)")
+    _require(
+        (held > 0) == (every > 0),
+        f"data.eval_samples={held} and trainer.eval_every={every}: evaluation needs both (held-out samples and how "
+        "often to score them), or neither; a held-out set that is never scored only takes data from training. "
+        "Set both > 0, or both 0",
+    )
 
 
 def _layer_count_in_range(count: int, lowest: int, arch: Mapping[str, Any]) -> tuple[bool, str]:

@@ -272,6 +272,12 @@ REFUSALS = [
         r"offload_activations=False\); set memory\.offload_activations=true or memory\.offload_max_gib=0$",
     ),
     (
+        "held_out_but_never_scored",
+        ["data.eval_samples=8"],
+        2,
+        r"data\.eval_samples=8 and trainer\.eval_every=0: evaluation needs both .* Set both > 0, or both 0$",
+    ),
+    (
         "left_padding",
         ["data.padding_side=left"],
         2,
