@@ -36,6 +36,8 @@ def latest_tag(out_dir: Path) -> Optional[str]:
 RESUME_KEYS = ("model", "data", "run.seed", "trainer.global_batch_size", "precision", "deepspeed.master_weights")
 # keys added to RESUME_KEYS later: a fingerprint written before one existed ran with its default
 _DEFAULT_WHEN_ABSENT = {"deepspeed.master_weights": "fp32"}
+# fields added later inside a RESUME_KEYS section (a dict): likewise their default when absent
+_FIELD_DEFAULT_WHEN_ABSENT = {"data": {"eval_samples": 0}}
 
 
 def _pick(config: dict, dotted: str):
@@ -50,6 +52,9 @@ def resume_fingerprint(config: dict) -> dict:
 
 def check_resume_compatible(saved: dict, current: dict) -> None:
     saved = {**_DEFAULT_WHEN_ABSENT, **saved}
+    for section, defaults in _FIELD_DEFAULT_WHEN_ABSENT.items():
+        if isinstance(saved.get(section), dict):
+            saved[section] = {**defaults, **saved[section]}
     diffs = [key for key in RESUME_KEYS if saved.get(key) != current.get(key)]
     if diffs:
         detail = "; ".join(f"{k}: checkpoint {saved.get(k)!r} vs now {current.get(k)!r}" for k in diffs)

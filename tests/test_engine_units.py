@@ -171,6 +171,18 @@ def test_resume_refuses_another_master_precision_and_reads_older_checkpoints_as_
         checkpoint.check_resume_compatible(older, bf16)
 
 
+def test_resume_reads_a_checkpoint_from_before_data_eval_samples_as_no_held_out_set():
+    import dataclasses
+    from configs import compose_config
+    config = dataclasses.asdict(compose_config([]))
+    now = checkpoint.resume_fingerprint(config)
+    older = {**now, "data": {k: v for k, v in now["data"].items() if k != "eval_samples"}}
+    checkpoint.check_resume_compatible(older, now)
+    config["data"]["eval_samples"] = 8  # holding samples out changes the training order: refused
+    with pytest.raises(RuntimeError, match="different run .data: checkpoint"):
+        checkpoint.check_resume_compatible(older, checkpoint.resume_fingerprint(config))
+
+
 def _init_weights_by_stage(rank, world, out):
     import deepspeed
     from configs import compose_config, validate
