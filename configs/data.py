@@ -23,6 +23,9 @@ class DataConfig:
     # the last N samples of the dataset (after truncation/dropping) are held out of training and scored every
     # trainer.eval_every steps (engine/evaluate.py); 0 = no held-out set
     eval_samples: int = 0
+    # source=jsonl: a JSONL file or folder of validation samples (format, tokenizer and seq_len as for data.path),
+    # all of them scored every trainer.eval_every steps; instead of data.eval_samples
+    eval_path: Optional[str] = None
     overlong: str = "truncate"  # a sample longer than seq_len: truncate it, or drop it
     on_bad_line: str = "skip"  # an unparsable jsonl line: skip it (counted in the logs), or fail the run
     # Only "right" is accepted: labels are shifted on the full sequence before the cp split, which assumes

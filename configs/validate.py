@@ -205,13 +205,23 @@ def _check_trainer(t: TrainerConfig) -> None:
 
 
 def _check_eval(cfg: TrainConfig) -> None:
-    held, every = cfg.data.eval_samples, cfg.trainer.eval_every
+    held, path, every = cfg.data.eval_samples, cfg.data.eval_path, cfg.trainer.eval_every
     _require(held >= 0, f"data.eval_samples={held} must be >= 0 (0 = no held-out set)")
     _require(
-        (held > 0) == (every > 0),
-        f"data.eval_samples={held} and trainer.eval_every={every}: evaluation needs both (held-out samples and how "
-        "often to score them), or neither; a held-out set that is never scored only takes data from training. "
-        "Set both > 0, or both 0",
+        not (held and path),
+        f"data.eval_samples={held} and data.eval_path={path}: evaluate either on held-out training samples or on a "
+        "validation file, not both; set data.eval_samples=0 or drop data.eval_path",
+    )
+    _require(
+        not path or cfg.data.source == "jsonl",
+        f"data.eval_path={path} needs data.source=jsonl (got {cfg.data.source}): the validation file is read like "
+        "data.path, with data.tokenizer_path; use data.eval_samples to hold out part of other sources",
+    )
+    _require(
+        (held > 0 or bool(path)) == (every > 0),
+        f"data.eval_samples={held}, data.eval_path={path} and trainer.eval_every={every}: evaluation needs samples "
+        "(data.eval_samples or data.eval_path) and how often to score them (trainer.eval_every), or neither; a "
+        "held-out set that is never scored only takes data from training. Set both, or neither",
     )
 
 

@@ -46,8 +46,16 @@ def _pick(config: dict, dotted: str):
     return config
 
 
+# fields inside a RESUME_KEYS section that do not change the training trajectory: adding a validation file
+# to a run must not stop it from resuming
+_NOT_TRAJECTORY = {"data": ("eval_path",)}
+
+
 def resume_fingerprint(config: dict) -> dict:
-    return {key: _pick(config, key) for key in RESUME_KEYS}
+    picked = {key: _pick(config, key) for key in RESUME_KEYS}
+    for section, fields in _NOT_TRAJECTORY.items():
+        picked[section] = {k: v for k, v in picked[section].items() if k not in fields}
+    return picked
 
 
 def check_resume_compatible(saved: dict, current: dict) -> None:

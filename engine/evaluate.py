@@ -1,5 +1,6 @@
-"""Held-out loss: the last data.eval_samples samples of the dataset, never trained on, scored under the training
-contract (sum of token cross-entropies over all of them / their counted target tokens, DESIGN 3.1).
+"""Held-out loss, scored under the training contract (sum of token cross-entropies over all held-out samples /
+their counted target tokens, DESIGN 3.1). The samples are the last data.eval_samples of the training data (never
+trained on), or every sample of data.eval_path.
 
 Every layout gives the same number. dp rank r takes samples r, r + dp, ... of the held-out list. Each rank runs
 the same number of micro-batches, because ZeRO-3 gathers parameters collectively in every forward; the missing
@@ -8,14 +9,28 @@ every rank. CP ranks of a group hold chunks of the same sample, as in training.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
 from ds_ulysses_ext import IGNORE_INDEX, Topology, shard_batch
 
-from .data import collate
+from .data import build_dataset, collate
+
+
+def eval_set(data_cfg, dataset: Sequence[dict], seed: int, vocab_size: int) -> tuple[int, Sequence[dict], list[int]]:
+    """(training samples, evaluation dataset, its indices to score)."""
+    if not data_cfg.eval_path:
+        num_train, indices = eval_split(len(dataset), data_cfg.eval_samples)
+        return num_train, dataset, indices
+    held, _, _ = build_dataset(dataclasses.replace(data_cfg, path=data_cfg.eval_path), seed=seed, vocab_size=vocab_size)
+    if len(held) == 0:
+        raise ValueError(f"data.eval_path={data_cfg.eval_path} holds no sample of at most data.seq_len tokens; "
+                         "check the file, or data.overlong")
+    return len(dataset), held, list(range(len(held)))
 
 
 def eval_split(num_samples: int, eval_samples: int) -> tuple[int, list[int]]:

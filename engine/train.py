@@ -21,7 +21,7 @@ from . import checkpoint
 from .build import build
 from .data import GlobalBatchSampler, build_dataset, collate, pad_id_of
 from .distributed import Runtime
-from .evaluate import eval_split, evaluate
+from .evaluate import eval_set, evaluate
 from .flops import count_params, detect_peak_tflops, step_flops
 from .hf_config import hf_config_of
 from .host_memory import available_gib, local_ranks, offload_estimate_gib, offload_report
@@ -43,7 +43,7 @@ def train(cfg: TrainConfig, plan: Plan, rt: Runtime) -> dict:
     # --- data: a step's samples depend only on (seed, data, global batch), never on the layout
     hf_config = hf_config_of(cfg.model)
     dataset, stats, tokenizer = build_dataset(cfg.data, seed=cfg.run.seed, vocab_size=hf_config.vocab_size)
-    num_train, eval_indices = eval_split(len(dataset), cfg.data.eval_samples)  # held out: the last samples
+    num_train, eval_data, eval_indices = eval_set(cfg.data, dataset, cfg.run.seed, hf_config.vocab_size)
     sampler = GlobalBatchSampler(num_train, plan.global_batch_size, cfg.run.seed)
     pad_id = pad_id_of(tokenizer)
     if rt.is_main:
@@ -102,7 +102,7 @@ def train(cfg: TrainConfig, plan: Plan, rt: Runtime) -> dict:
             if not fatal and every and ((step + 1) % every == 0 or step + 1 == cfg.trainer.max_steps):
                 t_eval = time.perf_counter()
                 record["eval_loss"], record["eval_tokens"] = evaluate(
-                    engine, dataset, eval_indices, topo, plan.dp, plan.micro_batch_size,
+                    engine, eval_data, eval_indices, topo, plan.dp, plan.micro_batch_size,
                     cfg.data.seq_len, pad_id, rt.device)
                 record["eval_time_s"] = time.perf_counter() - t_eval
             tracker.log(record)

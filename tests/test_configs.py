@@ -275,7 +275,21 @@ REFUSALS = [
         "held_out_but_never_scored",
         ["data.eval_samples=8"],
         2,
-        r"data\.eval_samples=8 and trainer\.eval_every=0: evaluation needs both .* Set both > 0, or both 0$",
+        r"data\.eval_samples=8, data\.eval_path=None and trainer\.eval_every=0: evaluation needs samples .* Set "
+        r"both, or neither$",
+    ),
+    (
+        "eval_path_and_eval_samples",
+        ["data.eval_samples=8", "data.eval_path=val.jsonl", "trainer.eval_every=5"],
+        2,
+        r"data\.eval_samples=8 and data\.eval_path=val\.jsonl: evaluate either .*set data\.eval_samples=0 or drop "
+        r"data\.eval_path$",
+    ),
+    (
+        "eval_path_of_demo_data",
+        ["data.eval_path=val.jsonl", "trainer.eval_every=5"],
+        2,
+        r"data\.eval_path=val\.jsonl needs data\.source=jsonl \(got demo\)",
     ),
     (
         "left_padding",

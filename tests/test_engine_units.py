@@ -178,6 +178,8 @@ def test_resume_reads_a_checkpoint_from_before_data_eval_samples_as_no_held_out_
     now = checkpoint.resume_fingerprint(config)
     older = {**now, "data": {k: v for k, v in now["data"].items() if k != "eval_samples"}}
     checkpoint.check_resume_compatible(older, now)
+    config["data"]["eval_path"] = "val.jsonl"  # a validation file does not change training: still resumes
+    checkpoint.check_resume_compatible(older, checkpoint.resume_fingerprint(config))
     config["data"]["eval_samples"] = 8  # holding samples out changes the training order: refused
     with pytest.raises(RuntimeError, match="different run .data: checkpoint"):
         checkpoint.check_resume_compatible(older, checkpoint.resume_fingerprint(config))

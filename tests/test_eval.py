@@ -1,5 +1,7 @@
 """Held-out evaluation (data.eval_samples, trainer.eval_every): the same eval_loss on every layout, equal to stock
 HF's loss on the held-out samples with the trained weights, and no effect on the training trajectory."""
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
@@ -54,3 +56,20 @@ def test_eval_does_not_change_training_and_matches_stock_hf_on_the_held_out_samp
     step, got, tokens = _evals(often)[-1]
     assert step == 3 and tokens == count
     assert _rel(got, loss_sum / count) < RTOL, (got, loss_sum / count)
+
+
+def test_eval_path_scores_every_sample_of_a_validation_file(tmp_path):
+    from configs import compose_config
+    from engine.data import DEMO_CORPUS, DEMO_TOKENIZER, build_dataset, count_target_tokens
+    val = tmp_path / "val.jsonl"
+    val.write_text("".join(DEMO_CORPUS.read_text().splitlines(keepends=True)[:5]))  # 5 samples: odd over dp=2
+    data = ["data.source=jsonl", f"data.path={DEMO_CORPUS}", f"data.tokenizer_path={DEMO_TOKENIZER}",
+            f"data.eval_path={val}", "trainer.eval_every=2", "trainer.max_steps=2"]
+    ref = _evals(train(tmp_path, "w1", 1, data + ["parallelism.cp=1"]))
+    got = _evals(train(tmp_path, "w2_cp2", 2, data + ["parallelism.cp=2"]))
+    cfg = compose_config(BASE + data)
+    held, _, _ = build_dataset(dataclasses.replace(cfg.data, path=str(val)), seed=0,
+                               vocab_size=cfg.model.arch["vocab_size"])
+    assert len(held) == 5
+    assert ref[0][2] == got[0][2] == sum(count_target_tokens(s["labels"]) for s in held)
+    assert _rel(got[0][1], ref[0][1]) < RTOL
