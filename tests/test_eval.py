@@ -26,7 +26,11 @@ def test_local_eval_batches_fill_every_rank_to_the_same_count():
 def test_eval_loss_is_the_same_on_every_layout(tmp_path):
     ref = _evals(train(tmp_path, "w1", 1, EVAL + ["parallelism.cp=1", "trainer.eval_every=2"]))
     assert [s for s, _, _ in ref] == [2, 3]  # every 2 steps, and at the last step
-    for name, world, extra in (("w2_cp2", 2, ["parallelism.cp=2"]), ("w4_cp2_dp2", 4, ["parallelism.cp=2"])):
+    # the memory policies run their no_grad paths in evaluation: one layout goes through all of them
+    policies = ["memory=except_attention", "memory.recompute_num_layers=1", "memory.tiled_mlp=true",
+                "memory.mlp_tile_tokens=4", "memory.offload_activations=true"]
+    for name, world, extra in (("w2_cp2", 2, ["parallelism.cp=2"]), ("w4_cp2_dp2", 4, ["parallelism.cp=2"]),
+                               ("w2_cp2_policies", 2, ["parallelism.cp=2"] + policies)):
         got = _evals(train(tmp_path, name, world, EVAL + extra + ["trainer.eval_every=2"]))
         assert [(s, n) for s, _, n in got] == [(s, n) for s, _, n in ref], name
         for (_, g, _), (_, r, _) in zip(got, ref):
