@@ -11,7 +11,11 @@ def plot_loss(metrics_path: Path, png_path: Path) -> Path:
     import matplotlib.pyplot as plt
     rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], marker="o", ms=3)
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], marker="o", ms=3, label="train")
+    evals = [r for r in rows if "eval_loss" in r]
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], marker="s", ms=4, label="held-out")
+        ax.legend()
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss (mean token CE)")
     ax.grid(alpha=0.3)

@@ -77,3 +77,20 @@ def test_eval_path_scores_every_sample_of_a_validation_file(tmp_path):
     assert len(held) == 5
     assert ref[0][2] == got[0][2] == sum(count_target_tokens(s["labels"]) for s in held)
     assert _rel(got[0][1], ref[0][1]) < RTOL
+
+
+def test_loss_plot_shows_the_held_out_points(tmp_path, monkeypatch):
+    import json
+    import matplotlib.pyplot as plt
+    from engine.plot import plot_loss
+    rows = [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.5, "eval_loss": 2.7}, {"step": 3, "loss": 2.2}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    drawn, real_plot = [], plt.Axes.plot
+
+    def spy(self, x, y, **kw):
+        drawn.append((list(x), list(y), kw.get("label")))
+        return real_plot(self, x, y, **kw)
+
+    monkeypatch.setattr(plt.Axes, "plot", spy)
+    png = plot_loss(tmp_path / "metrics.jsonl", tmp_path / "loss.png")
+    assert png.exists() and ([2], [2.7], "held-out") in drawn
