@@ -30,10 +30,9 @@
 #   train_1m_4l  the same 1M-token step with 4 of the 16 layers: GPU memory is set by one layer's working set
 #                plus offloaded inputs (host), so this shows whether 1M fits; time scales ~linearly with layers
 #   bg_1m_start  the full 16-layer 1M step ($BG_POINT, default 1048576:long_context; $BG_ARGS: more bench_train
-#                arguments) in a new process session (setsid), which outlives the command; it writes under
-#                /tmp/bg1m, not $OUT (emptied per command)
-#   bg_1m_wait   wait up to $WAIT_S (default 570) s for that run, then copy /tmp/bg1m into $OUT; call it again
-#                in the next command if it is still running (the machine must stay warm between the calls)
+#                arguments) in the background, through scripts/bench_bg.sh (BG=/tmp/bg1m), so it outlives the command
+#   bg_1m_wait   wait up to $WAIT_S (default 570) s for that run, then pack it into $OUT (scripts/bench_bg.sh wait);
+#                call it again in the next command if it is still running (the machine must stay warm between)
 # Needs: .whl/ (DeepSpeed 0.19.8 + hjson, pydantic(-core), annotated-types, typing-inspection, hydra-core,
 # omegaconf, antlr4 wheels) and .bench/anchor-bench; results under $OUT (default outputs/bench).
 # FA4 inputs (ignored folders), rebuilt on a machine with PyPI: in .fa4w/, `pip download --no-deps
@@ -76,14 +75,9 @@ for part in ${*:-attn train_short train_long}; do
          done ;;
     train_512k) python3 scripts/bench_train.py --points 524288:except_attention_tiled --anchors alst --steps 1 \
                   --timeout 420 ;;
-    bg_1m_start) mkdir -p /tmp/bg1m
-                 OUT=/tmp/bg1m setsid nohup bash -c "python3 scripts/bench_train.py --points \
-                   ${BG_POINT:-1048576:long_context} --steps 1 --timeout 1700 ${BG_ARGS:-}; touch /tmp/bg1m/done" \
-                   > /tmp/bg1m/log.txt 2>&1 < /dev/null &
-                 echo "started 1M in the background: /tmp/bg1m" ;;
-    bg_1m_wait) for _ in $(seq "${WAIT_S:-570}"); do [ -e /tmp/bg1m/done ] && break; sleep 1; done
-                cp -r /tmp/bg1m "$OUT/" 2>/dev/null; tail -5 /tmp/bg1m/log.txt
-                [ -e /tmp/bg1m/done ] && echo "1M run finished" || echo "1M run still running" ;;
+    bg_1m_start) BG=/tmp/bg1m bash scripts/bench_bg.sh start "python3 scripts/bench_train.py --points \
+                   ${BG_POINT:-1048576:long_context} --steps 1 --timeout 1700 ${BG_ARGS:-}" ;;
+    bg_1m_wait) BG=/tmp/bg1m bash scripts/bench_bg.sh wait "${WAIT_S:-570}" ;;
     train_1m) python3 scripts/bench_train.py --points 1048576:long_context --steps 1 --timeout 580 ;;
     train_1m_4l) python3 scripts/bench_train.py --points 1048576:long_context --steps 1 --timeout 580 \
                    model.arch.num_hidden_layers=4 ;;
