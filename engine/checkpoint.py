@@ -34,21 +34,18 @@ def latest_tag(out_dir: Path) -> Optional[str]:
 # becomes another run's: the weights' shape and source, the data and its order, the batch, the precision of
 # the weights and of the optimizer's master copy (DeepSpeed would cast the saved one to the other silently)
 RESUME_KEYS = ("model", "data", "run.seed", "trainer.global_batch_size", "precision", "deepspeed.master_weights")
-# keys added to RESUME_KEYS later: a fingerprint written before one existed ran with its default
-_DEFAULT_WHEN_ABSENT = {"deepspeed.master_weights": "fp32"}
-# fields added later inside a RESUME_KEYS section (a dict): likewise their default when absent
-_FIELD_DEFAULT_WHEN_ABSENT = {"data": {"eval_samples": 0}}
+# keys added to RESUME_KEYS later, or fields added later inside a RESUME_KEYS section (a dict, e.g. "data"):
+# a fingerprint written before one existed ran with its default
+_DEFAULT_WHEN_ABSENT = {"deepspeed.master_weights": "fp32", "data.eval_samples": 0}
+# fields inside a RESUME_KEYS section that do not change the training trajectory: adding a validation file
+# to a run must not stop it from resuming
+_NOT_TRAJECTORY = {"data": ("eval_path",)}
 
 
 def _pick(config: dict, dotted: str):
     for part in dotted.split("."):
         config = config[part]
     return config
-
-
-# fields inside a RESUME_KEYS section that do not change the training trajectory: adding a validation file
-# to a run must not stop it from resuming
-_NOT_TRAJECTORY = {"data": ("eval_path",)}
 
 
 def resume_fingerprint(config: dict) -> dict:
@@ -59,10 +56,13 @@ def resume_fingerprint(config: dict) -> dict:
 
 
 def check_resume_compatible(saved: dict, current: dict) -> None:
-    saved = {**_DEFAULT_WHEN_ABSENT, **saved}
-    for section, defaults in _FIELD_DEFAULT_WHEN_ABSENT.items():
-        if isinstance(saved.get(section), dict):
-            saved[section] = {**defaults, **saved[section]}
+    saved = dict(saved)
+    for dotted, default in _DEFAULT_WHEN_ABSENT.items():
+        section, _, field = dotted.partition(".")
+        if dotted in RESUME_KEYS:
+            saved.setdefault(dotted, default)
+        elif isinstance(saved.get(section), dict):
+            saved[section] = {field: default, **saved[section]}
     diffs = [key for key in RESUME_KEYS if saved.get(key) != current.get(key)]
     if diffs:
         detail = "; ".join(f"{k}: checkpoint {saved.get(k)!r} vs now {current.get(k)!r}" for k in diffs)

@@ -47,3 +47,11 @@ def local_ranks() -> int:
 def available_gib() -> float:
     import psutil
     return psutil.virtual_memory().available / GIB
+
+
+def log_offload_estimate(cfg: TrainConfig, plan: Plan, hf_config, log) -> None:
+    """On rank 0, before the model is built: the estimate against this host's memory, a warning if it may not fit."""
+    estimate = offload_estimate_gib(cfg, plan, hf_config.hidden_size, hf_config.num_hidden_layers)
+    if estimate is not None:
+        message, too_much = offload_report(estimate, local_ranks(), available_gib())
+        (log.warning if too_much else log.info)(message)

@@ -24,7 +24,7 @@ from .distributed import Runtime
 from .evaluate import eval_set, evaluate
 from .flops import count_params, detect_peak_tflops, step_flops
 from .hf_config import hf_config_of
-from .host_memory import available_gib, local_ranks, offload_estimate_gib, offload_report
+from .host_memory import log_offload_estimate
 from .nonfinite import NonFiniteStep, judge, skipped_warning
 from .oom import oom_advice
 from .plot import plot_loss
@@ -56,10 +56,8 @@ def train(cfg: TrainConfig, plan: Plan, rt: Runtime) -> dict:
         checkpoint.check_resume(out_dir, tag, fingerprint)
 
     # --- model and engine; what offload will ask of the host is said first (a host OOM kills without an error)
-    offload_gib = offload_estimate_gib(cfg, plan, hf_config.hidden_size, hf_config.num_hidden_layers)
-    if offload_gib is not None and rt.is_main:
-        message, too_much = offload_report(offload_gib, local_ranks(), available_gib())
-        (log.warning if too_much else log.info)(message)
+    if rt.is_main:
+        log_offload_estimate(cfg, plan, hf_config, log)
     engine, hf, scale = build(cfg, plan, topo, rt.device)
     num_params = count_params(hf)
     peak_tflops = cfg.logging.peak_tflops or detect_peak_tflops(rt.device)

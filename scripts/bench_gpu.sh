@@ -42,14 +42,9 @@
 # .fa4a/cu13.tar.xz = the files of nvidia_cutlass_dsl_libs_cu13-4.8.1 (unzip the wheel, `tar c . | xz -9e`).
 set -u
 cd "$(dirname "$0")/.."
-export OUT=${OUT:-$PWD/outputs/bench} PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 DS_ACCELERATOR=cuda
+export OUT=${OUT:-$PWD/outputs/bench}
 mkdir -p "$OUT"
-SITE=${BENCH_SITE:-/tmp/site}
-if [ -d .whl ] && [ ! -d "$SITE/deepspeed" ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
-fi
-# a --target install skips .pth files: add nvidia_cutlass_dsl's (FA4) by hand
-export PYTHONPATH=$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
+source scripts/bench_site.sh
 for part in ${*:-attn train_short train_long}; do
   echo "=== $part $(date +%T)"
   case $part in

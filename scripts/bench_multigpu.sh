@@ -23,16 +23,11 @@
 # Needs .whl/ and .bench/anchor-bench as scripts/bench_gpu.sh does. Results under $OUT.
 set -u
 cd "$(dirname "$0")/.."
-export OUT=${OUT:-$PWD/outputs/bench_multi} PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 DS_ACCELERATOR=cuda
+export OUT=${OUT:-$PWD/outputs/bench_multi}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 NGPU=${NGPU:-$(nvidia-smi -L | wc -l)}
 mkdir -p "$OUT"
-SITE=${BENCH_SITE:-/tmp/site}
-if [ -d .whl ] && [ ! -d "$SITE/deepspeed" ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
-fi
-# a --target install skips .pth files: add nvidia_cutlass_dsl's (FA4, scripts/bench_gpu.sh site_fa4) by hand
-export PYTHONPATH=$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
+source scripts/bench_site.sh
 SEQS=${SEQS:-32768,65536,131072,262144}
 for part in ${*:-exact scale alst}; do
   echo "=== $part $(date +%T)"

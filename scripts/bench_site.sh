@@ -1,0 +1,10 @@
+# Sourced by the bench scripts (run from the repo root): the GPU environment they share, and the site folder of
+# carried wheels. The device image has no package registry, so .whl/ (DeepSpeed and its pure-Python needs)
+# is installed once per machine into $SITE, which outlives a command on a warm machine.
+export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 DS_ACCELERATOR=cuda  # 9.0a breaks DeepSpeed's op JIT
+SITE=${BENCH_SITE:-/tmp/site}
+if [ -d .whl ] && [ ! -d "$SITE/deepspeed" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
+fi
+# a --target install skips .pth files: add nvidia_cutlass_dsl's (FA4, bench_gpu.sh site_fa4) by hand
+export PYTHONPATH=$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
