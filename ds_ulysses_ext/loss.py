@@ -63,6 +63,30 @@ def chunked_lm_loss_sum(lm_head: torch.nn.Module, hidden_BsH: torch.Tensor, labe
     return total, (labels_T != IGNORE_INDEX).sum()
 
 
+def _chunk_nll_sum_and_logit_grad(h_CH, weight_VH, y_C, need_grad):
+    """One chunk: (fp32 sum of token NLLs, d(sum)/d logits in the weight dtype, or None).
+
+    lm_head runs in the weight dtype, then an fp32 log-softmax: the same rounding as HF's cross_entropy
+    on .float() logits. Each pass over a [C, V] fp32 block costs about 1 ms at C=4096 and a 128k vocab
+    on an H200, so the chunk makes as few as it can: one fused log-softmax kernel (not logsumexp's
+    amax/sub/exp/sum/log) and, for the gradient, one in-place exp and one cast. Being a function, its
+    fp32 block is freed on return, before the caller's matmuls allocate.
+    """
+    logp_CV = torch.log_softmax((h_CH @ weight_VH.t()).float(), dim=-1)
+    valid_C = y_C != IGNORE_INDEX
+    y_safe_C = torch.where(valid_C, y_C, 0)
+    nll_sum = torch.where(valid_C, logp_CV.gather(1, y_safe_C[:, None]).squeeze(1).neg_(), 0.0).sum()
+    if not need_grad:
+        return nll_sum, None
+    # d(sum CE)/d logits = softmax - onehot on counted rows, 0 on masked rows; in place
+    g_CV = logp_CV.exp_()
+    g_CV[torch.arange(g_CV.shape[0], device=g_CV.device), y_safe_C] -= 1.0
+    g_CV = g_CV.to(weight_VH.dtype)  # as autograd casts it for the lm_head backward
+    # masking after the cast is exact (x * 1 and x * 0 round the same) and moves half the bytes; a mask
+    # of the same dtype keeps the kernel vectorised
+    return nll_sum, g_CV.mul_(valid_C.to(g_CV.dtype)[:, None])
+
+
 class _LinearCrossEntropySum(torch.autograd.Function):
     """sum_t CE(hidden_t @ weight^T, label_t), gradients computed chunk by chunk in forward."""
 
@@ -74,28 +98,15 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         grad_VH = torch.zeros(weight_VH.shape, dtype=torch.float32, device=weight_VH.device) if need_w else None
         for start in range(0, hidden_TH.shape[0], chunk_size):
             h_CH, y_C = hidden_TH[start:start + chunk_size], labels_T[start:start + chunk_size]
-            # lm_head in the weight dtype, then an fp32 log-softmax: the same rounding as HF's
-            # cross_entropy on .float() logits. Each pass over [C, V] fp32 costs about 1 ms at C=4096 and
-            # a 128k vocab on an H200, so the chunk makes as few as it can: one fused log-softmax kernel
-            # (not amax/sub/exp/sum/log) and, for the gradient, one in-place exp and one cast.
-            logp_CV = torch.log_softmax((h_CH @ weight_VH.t()).float(), dim=-1)
-            valid_C = y_C != IGNORE_INDEX
-            y_safe_C = torch.where(valid_C, y_C, 0)
-            nll_C = logp_CV.gather(1, y_safe_C[:, None]).squeeze(1).neg_()
-            total = total + torch.where(valid_C, nll_C, 0.0).sum()
-            if not (need_h or need_w):
+            nll_sum, g_CV = _chunk_nll_sum_and_logit_grad(h_CH, weight_VH, y_C, need_h or need_w)
+            total = total + nll_sum
+            if g_CV is None:
                 continue
-            # d(sum CE)/d logits = softmax - onehot on counted rows, 0 on masked rows; in place
-            g_CV = logp_CV.exp_()
-            g_CV[torch.arange(g_CV.shape[0], device=g_CV.device), y_safe_C] -= 1.0
-            g_CV = g_CV.to(weight_VH.dtype)  # as autograd casts it for the lm_head backward
-            # masking after the cast is exact (x * 1 and x * 0 round the same) and moves half the bytes;
-            # a mask of the same dtype keeps the kernel vectorised
-            g_CV.mul_(valid_C.to(g_CV.dtype)[:, None])
             if need_h:
                 grad_TH[start:start + chunk_size] = g_CV @ weight_VH
             if need_w:
                 grad_VH += (g_CV.t() @ h_CH).float()
+            del g_CV  # before the next chunk's logits exist, so two chunks' blocks never coexist
         ctx.weight_dtype = weight_VH.dtype
         ctx.save_for_backward(grad_TH, grad_VH)
         return total
