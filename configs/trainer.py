@@ -34,6 +34,8 @@ class TrainerConfig:
     eval_every: int = 0
     save_every: int = 0  # checkpoint every N steps; 0 = only at the end (if save_at_end)
     save_at_end: bool = True
+    # after each save, delete all but the newest N checkpoints (the one `latest` names among them); 0 = keep all
+    keep_checkpoints: int = 0
     resume: bool = True  # resume from out_dir's latest checkpoint if there is one
     stop_after_steps: int = 0  # debug/tests: exit after N steps as if interrupted (to test resume); 0 = off
     export_hf: bool = True  # at the end, write an HF `save_pretrained` folder of the trained model

@@ -3,7 +3,10 @@
 Layout under <run.out_dir>/checkpoints/:  step_00000004/ (DeepSpeed's files + rng_rank<r>.pt) and
 `latest`, a one-line file naming the newest COMPLETE tag. `latest` is replaced atomically by rank 0
 only after every rank has finished writing (a barrier), so a crash mid-save leaves the previous
-checkpoint as latest. The data order is a pure function of (seed, step) (engine/data/sampler.py), so
+checkpoint as latest. With `trainer.keep_checkpoints=N`, rank 0 then deletes all but the newest N
+complete checkpoints (a 1B model's ZeRO state with fp32 masters is ~20 GB, an 8B's ~130 GB, so a long run
+with save_every would otherwise fill its disk and die in a save). Like `latest`, this assumes out_dir is on
+one filesystem that all ranks share. The data order is a pure function of (seed, step) (engine/data/sampler.py), so
 the step number, DeepSpeed's optimizer/scheduler state and the RNG states are all a resume needs.
 """
 from __future__ import annotations
@@ -12,6 +15,7 @@ import json
 import logging
 import os
 import random
+import shutil
 from pathlib import Path
 from typing import Optional
 
@@ -70,7 +74,7 @@ def check_resume_compatible(saved: dict, current: dict) -> None:
                            "silently continue another trajectory: use a new run.out_dir or trainer.resume=false")
 
 
-def save(engine, out_dir: Path, step: int, rank: int, fingerprint: dict | None = None) -> str:
+def save(engine, out_dir: Path, step: int, rank: int, fingerprint: dict | None = None, keep: int = 0) -> str:
     tag = f"step_{step:08d}"
     root = ckpt_root(out_dir)
     engine.save_checkpoint(str(root), tag=tag, client_state={"step": step}, save_latest=False)
@@ -85,8 +89,27 @@ def save(engine, out_dir: Path, step: int, rank: int, fingerprint: dict | None =
         tmp.write_text(tag + "\n")
         os.replace(tmp, root / "latest")
         log.info("checkpoint %s saved", tag)
+        removed = prune(out_dir, keep)
+        if removed:
+            log.info("deleted older checkpoints %s (trainer.keep_checkpoints=%d)", ", ".join(removed), keep)
     dist.barrier()
     return tag
+
+
+def prune(out_dir: Path, keep: int) -> list[str]:
+    """Delete all but the newest `keep` complete checkpoints, `latest` among them; 0 keeps every one."""
+    latest = latest_tag(out_dir)
+    if keep <= 0 or latest is None:
+        return []
+    root = ckpt_root(out_dir)
+    # tags are zero-padded step numbers, so they sort by step. A tag newer than `latest` is a save that a
+    # crash cut short: it is not counted as complete and not deleted (the resumed run's save of that step
+    # overwrites it)
+    complete = sorted(p.name for p in root.glob("step_*") if p.is_dir() and p.name <= latest)
+    doomed = complete[:-keep]
+    for tag in doomed:
+        shutil.rmtree(root / tag)
+    return doomed
 
 
 def check_resume(out_dir: Path, tag: str, fingerprint: dict) -> None:

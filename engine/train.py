@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import json
 import logging
@@ -69,6 +70,9 @@ def train(cfg: TrainConfig, plan: Plan, rt: Runtime) -> dict:
         if rt.is_main:
             log.info("resumed from %s at step %d", tag, start)
 
+    # every save carries the fingerprint a resume is checked against, and prunes to trainer.keep_checkpoints
+    save = functools.partial(checkpoint.save, engine, out_dir, rank=rt.rank, fingerprint=fingerprint,
+                             keep=cfg.trainer.keep_checkpoints)
     tracker = Tracker(out_dir, cfg.logging, rt.is_main, cfg.trainer.max_steps, start,
                       dataclasses.asdict(cfg))
     # automatic GC pauses one rank at a random moment and stalls every collective; collect together instead
@@ -111,10 +115,10 @@ def train(cfg: TrainConfig, plan: Plan, rt: Runtime) -> dict:
             if cfg.trainer.gc_every and (step + 1) % cfg.trainer.gc_every == 0:
                 gc.collect()
             if cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0:
-                checkpoint.save(engine, out_dir, step + 1, rt.rank, fingerprint)
+                save(step + 1)
             if step + 1 < stop and preemption.agreed(rt.device):
                 if checkpoint.latest_tag(out_dir) != f"step_{step + 1:08d}":
-                    checkpoint.save(engine, out_dir, step + 1, rt.rank, fingerprint)
+                    save(step + 1)
                 return {"preempted_at": step + 1}
     finally:
         tracker.close()
@@ -126,7 +130,7 @@ def train(cfg: TrainConfig, plan: Plan, rt: Runtime) -> dict:
     # --- end of run: checkpoint, HF export, loss plot
     outputs = {"metrics": str(out_dir / "metrics.jsonl")}
     if cfg.trainer.save_at_end and checkpoint.latest_tag(out_dir) != f"step_{stop:08d}":
-        checkpoint.save(engine, out_dir, stop, rt.rank, fingerprint)
+        save(stop)
     if cfg.trainer.export_hf:
         outputs["hf_export"] = str(checkpoint.export_hf(engine, hf, out_dir / "hf_export", rt.rank, tokenizer))
     if rt.is_main and (out_dir / "metrics.jsonl").exists():

@@ -96,6 +96,18 @@ def test_resume_continues_the_same_trajectory(tmp_path):
         assert got["loss"] == ref["loss"] and got["grad_norm"] == ref["grad_norm"], (got, ref)
 
 
+def test_keep_checkpoints_keeps_the_newest_and_the_run_resumes_from_them(tmp_path):
+    extra = ["parallelism.cp=2", "trainer.save_every=1", "trainer.keep_checkpoints=2"]
+    first = train(tmp_path, "kept", 2, extra + ["trainer.stop_after_steps=4"])
+    root = tmp_path / "kept" / "checkpoints"
+    assert [r["step"] for r in first] == [1, 2, 3, 4]
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_00000003", "step_00000004"]
+    both = train(tmp_path, "kept", 2, extra)
+    assert [r["step"] for r in both] == [1, 2, 3, 4, 5]
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_00000004", "step_00000005"]
+    assert (root / "latest").read_text().strip() == "step_00000005"
+
+
 def test_resume_refuses_a_checkpoint_of_another_run(tmp_path):
     extra = ["parallelism.cp=2", "trainer.max_steps=2", "trainer.save_at_end=true"]
     train(tmp_path, "other", 2, extra)

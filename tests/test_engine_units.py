@@ -106,6 +106,19 @@ def test_partially_written_checkpoint_never_becomes_latest(tmp_path):
     run_ranks(_partial_save, 1, str(tmp_path))
 
 
+def test_keep_checkpoints_deletes_the_oldest_complete_ones_only(tmp_path):
+    root = checkpoint.ckpt_root(tmp_path)
+    for step in range(1, 6):
+        (root / f"step_{step:08d}").mkdir(parents=True)
+    assert checkpoint.prune(tmp_path, keep=2) == []  # no `latest` yet: nothing is known complete
+    (root / "latest").write_text("step_00000004\n")  # step 5: a save a crash cut short
+    assert checkpoint.prune(tmp_path, keep=0) == []
+    assert checkpoint.prune(tmp_path, keep=2) == ["step_00000001", "step_00000002"]
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_00000003", "step_00000004", "step_00000005"]
+    assert checkpoint.prune(tmp_path, keep=1) == ["step_00000003"]
+    assert checkpoint.latest_tag(tmp_path) == "step_00000004"
+
+
 def test_attention_benchmark_script_runs_on_cpu():
     # a smoke test of the benchmark's code path; it times nothing that is asserted
     import subprocess
