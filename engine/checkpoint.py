@@ -1,4 +1,4 @@
-"""Save, find and resume checkpoints; export a consolidated HF checkpoint.
+"""Save, find and resume checkpoints (HF exports: engine/export.py).
 
 Layout under <run.out_dir>/checkpoints/:  step_00000004/ (DeepSpeed's files + rng_rank<r>.pt) and
 `latest`, a one-line file naming the newest COMPLETE tag. `latest` is replaced atomically by rank 0
@@ -74,7 +74,15 @@ def check_resume_compatible(saved: dict, current: dict) -> None:
                            "silently continue another trajectory: use a new run.out_dir or trainer.resume=false")
 
 
-def save(engine, out_dir: Path, step: int, rank: int, fingerprint: dict | None = None, keep: int = 0) -> str:
+def optimizer_layout(world_size: int, zero_stage: int) -> dict:
+    """What DeepSpeed's saved optimizer state is tied to: it loads only on as many ranks, at the same ZeRO
+    stage (a changed world size fails inside DeepSpeed after the model is built; a changed stage fails with a
+    bare AssertionError). cp is not part of it: at the same world size a run resumes at another cp exactly."""
+    return {"world_size": world_size, "zero_stage": zero_stage}
+
+
+def save(engine, out_dir: Path, step: int, rank: int, fingerprint: dict | None = None, keep: int = 0,
+         layout: dict | None = None) -> str:
     tag = f"step_{step:08d}"
     root = ckpt_root(out_dir)
     engine.save_checkpoint(str(root), tag=tag, client_state={"step": step}, save_latest=False)
@@ -83,6 +91,8 @@ def save(engine, out_dir: Path, step: int, rank: int, fingerprint: dict | None =
     torch.save(rng, root / tag / f"rng_rank{rank}.pt")
     if rank == 0 and fingerprint is not None:
         (root / tag / "resume_fingerprint.json").write_text(json.dumps(fingerprint, indent=1, sort_keys=True))
+    if rank == 0 and layout is not None:
+        (root / tag / "optimizer_layout.json").write_text(json.dumps(layout, sort_keys=True))
     dist.barrier()
     if rank == 0:
         tmp = root / "latest.tmp"
@@ -112,11 +122,29 @@ def prune(out_dir: Path, keep: int) -> list[str]:
     return doomed
 
 
-def check_resume(out_dir: Path, tag: str, fingerprint: dict) -> None:
-    """Refuse, before any model is built, to resume a checkpoint written with other settings."""
+def check_resume(out_dir: Path, tag: str, fingerprint: dict, layout: dict | None = None) -> None:
+    """Refuse, before any model is built, to resume a checkpoint written with other settings, or one whose
+    optimizer state this run's ranks cannot load."""
     saved = ckpt_root(out_dir) / tag / "resume_fingerprint.json"
     if saved.exists():
         check_resume_compatible(json.loads(saved.read_text()), json.loads(json.dumps(fingerprint)))
+    saved_layout = ckpt_root(out_dir) / tag / "optimizer_layout.json"
+    if layout is not None and saved_layout.exists():
+        check_layout_compatible(json.loads(saved_layout.read_text()), layout, ckpt_root(out_dir) / tag)
+
+
+def check_layout_compatible(saved: dict, current: dict, path: Path) -> None:
+    if saved == current:
+        return
+    raise RuntimeError(
+        f"checkpoint {path} holds ZeRO-{saved['zero_stage']} optimizer state partitioned over "
+        f"{saved['world_size']} rank(s); this run has {current['world_size']} rank(s) at ZeRO-{current['zero_stage']}, "
+        "and DeepSpeed cannot re-partition that state on load. Resume on "
+        f"{saved['world_size']} rank(s) with the same deepspeed preset (parallelism.cp may change: the trajectory "
+        "stays exact), or start a new run.out_dir from the weights alone (the optimizer state starts fresh): "
+        f"`python scripts/export_hf.py {path.parent.parent} --tag {path.name}`, then model.source=pretrained "
+        "model.path=<that export>. "
+        "Note: deepspeed.zero_stage=3 on one rank runs as ZeRO-2 (engine/ds_config.py)")
 
 
 def load(engine, out_dir: Path, tag: str, rank: int) -> int:
@@ -132,24 +160,3 @@ def load(engine, out_dir: Path, tag: str, rank: int) -> int:
     if rng["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])
     return int(client["step"])
-
-
-def export_hf(engine, hf_model, export_dir: Path, rank: int, tokenizer=None) -> Path:
-    """Write an HF `save_pretrained` folder (safetensors) of the full model. Collective under ZeRO-3."""
-    if engine.zero_optimization_stage() == 3:
-        state = engine._zero3_consolidated_16bit_state_dict()  # gathers every shard; full dict on rank 0
-    else:
-        state = engine.module.state_dict()
-    if rank == 0:
-        prefix = "hf."
-        state = {k[len(prefix):] if k.startswith(prefix) else k: v.detach().cpu() for k, v in state.items()}
-        impl = hf_model.config._attn_implementation
-        hf_model.config._attn_implementation = "sdpa"  # the export must load without this package
-        try:
-            hf_model.save_pretrained(str(export_dir), state_dict=state, safe_serialization=True)
-        finally:
-            hf_model.config._attn_implementation = impl
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(export_dir))
-    dist.barrier()
-    return export_dir

@@ -21,8 +21,10 @@ from ds_ulysses_ext import init_topology
 from . import checkpoint
 from .build import build
 from .data import GlobalBatchSampler, build_dataset, collate, pad_id_of
+from .ds_config import effective_zero_stage
 from .distributed import Runtime
 from .evaluate import eval_set, evaluate
+from .export import export_hf
 from .flops import count_params, detect_peak_tflops, step_flops
 from .hf_config import hf_config_of
 from .host_memory import log_offload_estimate
@@ -52,9 +54,10 @@ def train(cfg: TrainConfig, plan: Plan, rt: Runtime) -> dict:
 
     # --- resume point, checked before the model is built (refused if written with other model, data, seed or batch)
     fingerprint = checkpoint.resume_fingerprint(dataclasses.asdict(cfg))
+    layout = checkpoint.optimizer_layout(plan.world_size, effective_zero_stage(cfg, plan))
     tag = checkpoint.latest_tag(out_dir) if cfg.trainer.resume else None
     if tag is not None:
-        checkpoint.check_resume(out_dir, tag, fingerprint)
+        checkpoint.check_resume(out_dir, tag, fingerprint, layout)
 
     # --- model and engine; what offload will ask of the host is said first (a host OOM kills without an error)
     if rt.is_main:
@@ -70,9 +73,9 @@ def train(cfg: TrainConfig, plan: Plan, rt: Runtime) -> dict:
         if rt.is_main:
             log.info("resumed from %s at step %d", tag, start)
 
-    # every save carries the fingerprint a resume is checked against, and prunes to trainer.keep_checkpoints
+    # every save carries what a resume is checked against (settings, optimizer layout), and prunes to trainer.keep_checkpoints
     save = functools.partial(checkpoint.save, engine, out_dir, rank=rt.rank, fingerprint=fingerprint,
-                             keep=cfg.trainer.keep_checkpoints)
+                             keep=cfg.trainer.keep_checkpoints, layout=layout)
     tracker = Tracker(out_dir, cfg.logging, rt.is_main, cfg.trainer.max_steps, start,
                       dataclasses.asdict(cfg))
     # automatic GC pauses one rank at a random moment and stalls every collective; collect together instead
@@ -132,7 +135,7 @@ def train(cfg: TrainConfig, plan: Plan, rt: Runtime) -> dict:
     if cfg.trainer.save_at_end and checkpoint.latest_tag(out_dir) != f"step_{stop:08d}":
         save(stop)
     if cfg.trainer.export_hf:
-        outputs["hf_export"] = str(checkpoint.export_hf(engine, hf, out_dir / "hf_export", rt.rank, tokenizer))
+        outputs["hf_export"] = str(export_hf(engine, hf, out_dir / "hf_export", rt.rank, tokenizer))
     if rt.is_main and (out_dir / "metrics.jsonl").exists():
         outputs["loss_plot"] = str(plot_loss(out_dir / "metrics.jsonl", out_dir / "loss.png"))
     dist.barrier()

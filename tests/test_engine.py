@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from dist_harness import run_ranks
+from engine.export import export_hf_from_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -108,6 +109,20 @@ def test_keep_checkpoints_keeps_the_newest_and_the_run_resumes_from_them(tmp_pat
     assert (root / "latest").read_text().strip() == "step_00000005"
 
 
+def test_resume_at_another_cp_is_exact_and_at_another_world_size_is_refused_before_the_build(tmp_path):
+    ref = train(tmp_path, "ref", 2, ["parallelism.cp=2"])
+    extra = ["parallelism.cp=2", "trainer.save_every=2", "trainer.stop_after_steps=2"]
+    train(tmp_path, "moved", 2, extra)
+    # the same 2 ranks, cp=1 x dp=2: DeepSpeed's state loads, and the math does not depend on the layout
+    moved = train(tmp_path, "moved", 2, ["parallelism.cp=1"])
+    assert [r["step"] for r in moved] == [1, 2, 3, 4, 5]
+    assert_same_trajectory(moved, ref, "resumed at cp=1")
+    train(tmp_path, "shrunk", 2, extra)
+    with pytest.raises(Exception, match=r"partitioned over 2 rank\(s\); this run has 1 rank\(s\) at ZeRO-2") as err:
+        train(tmp_path, "shrunk", 1, ["parallelism.cp=1"])
+    assert "scripts/export_hf.py" in str(err.value) and "model.source=pretrained" in str(err.value)
+
+
 def test_resume_refuses_a_checkpoint_of_another_run(tmp_path):
     extra = ["parallelism.cp=2", "trainer.max_steps=2", "trainer.save_at_end=true"]
     train(tmp_path, "other", 2, extra)
@@ -142,7 +157,7 @@ def test_sigterm_checkpoints_and_stops_all_ranks_at_the_same_step(tmp_path):
 
 def test_hf_export_reloads_with_the_trained_weights(tmp_path):
     train(tmp_path, "export", 2, ["parallelism.cp=2", "trainer.max_steps=2", "trainer.export_hf=true",
-                                  "trainer.save_at_end=true"])
+                                  "trainer.save_at_end=true", "trainer.save_every=1"])
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from transformers import AutoModelForCausalLM
     out = tmp_path / "export"
@@ -158,6 +173,28 @@ def test_hf_export_reloads_with_the_trained_weights(tmp_path):
         got, ref = exported(input_ids=ids).logits, reference(input_ids=ids).logits
         assert not torch.allclose(init(input_ids=ids).logits, ref)  # the weights really moved away from init
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+
+    # scripts/export_hf.py, from the checkpoints alone: the final one equals the run's own export (fp32)
+    from export_hf import main as export_main
+    export_main([str(out), "--out", str(tmp_path / "from_ckpt")])
+    final = AutoModelForCausalLM.from_pretrained(tmp_path / "from_ckpt", attn_implementation="sdpa").eval()
+    step1 = AutoModelForCausalLM.from_pretrained(
+        export_hf_from_checkpoint(out, "step_00000001"), attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(final(input_ids=ids).logits, got, rtol=1e-5, atol=1e-6)
+        assert not torch.allclose(step1(input_ids=ids).logits, got)  # the mid-run checkpoint is another model
+
+
+def test_export_of_a_tied_zero2_checkpoint_equals_the_run_export(tmp_path):
+    train(tmp_path, "tied", 1, ["parallelism.cp=1", "trainer.max_steps=1", "trainer.export_hf=true",
+                                "trainer.save_at_end=true", "model.arch.tie_word_embeddings=true"])
+    from transformers import AutoModelForCausalLM
+    out = tmp_path / "tied"
+    run_export = AutoModelForCausalLM.from_pretrained(out / "hf_export").state_dict()
+    from_ckpt = AutoModelForCausalLM.from_pretrained(export_hf_from_checkpoint(out)).state_dict()
+    assert run_export.keys() == from_ckpt.keys()
+    for name, value in run_export.items():
+        assert torch.equal(from_ckpt[name], value), name
 
 
 def _free_port():

@@ -119,6 +119,14 @@ def test_keep_checkpoints_deletes_the_oldest_complete_ones_only(tmp_path):
     assert checkpoint.latest_tag(tmp_path) == "step_00000004"
 
 
+def test_optimizer_layout_must_match_to_resume(tmp_path):
+    saved = checkpoint.optimizer_layout(world_size=4, zero_stage=3)
+    checkpoint.check_layout_compatible(saved, checkpoint.optimizer_layout(4, 3), tmp_path / "step_00000002")
+    for other in (checkpoint.optimizer_layout(2, 3), checkpoint.optimizer_layout(4, 2)):
+        with pytest.raises(RuntimeError, match=r"ZeRO-3 optimizer state partitioned over 4 rank\(s\)"):
+            checkpoint.check_layout_compatible(saved, other, tmp_path / "step_00000002")
+
+
 def test_attention_benchmark_script_runs_on_cpu():
     # a smoke test of the benchmark's code path; it times nothing that is asserted
     import subprocess

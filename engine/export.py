@@ -1,0 +1,71 @@
+"""HF `save_pretrained` folders (safetensors) of the trained model: from the live engine at the end of a run,
+or from any saved checkpoint of a run afterwards, in one CPU process.
+
+The second is for what the first cannot serve: a mid-run checkpoint to evaluate, and a run that must go on
+with another number of ranks, whose ZeRO optimizer state DeepSpeed cannot re-partition (a new run from the
+export, `model.source=pretrained model.path=<export>`, with a fresh optimizer state).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from configs import to_dataclass
+
+from . import checkpoint
+from .build import model_dtype, no_init_weights
+from .data.tokenizer import tokenizer_of
+from .hf_config import hf_config_of
+
+_PREFIX = "hf."  # CPCausalLM holds the HF model as `.hf`
+
+
+def _save_folder(hf_model, state: dict, export_dir: Path, tokenizer=None) -> None:
+    state = {k.removeprefix(_PREFIX): v.detach().cpu() for k, v in state.items()}
+    impl = hf_model.config._attn_implementation
+    hf_model.config._attn_implementation = "sdpa"  # the export must load without this package
+    try:
+        hf_model.save_pretrained(str(export_dir), state_dict=state, safe_serialization=True)
+    finally:
+        hf_model.config._attn_implementation = impl
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(export_dir))
+
+
+def export_hf(engine, hf_model, export_dir: Path, rank: int, tokenizer=None) -> Path:
+    """The live model, at the end of a run. Collective under ZeRO-3 (it gathers every shard to rank 0)."""
+    if engine.zero_optimization_stage() == 3:
+        state = engine._zero3_consolidated_16bit_state_dict()  # full dict on rank 0
+    else:
+        state = engine.module.state_dict()
+    if rank == 0:
+        _save_folder(hf_model, state, export_dir, tokenizer)
+    dist.barrier()
+    return export_dir
+
+
+def export_hf_from_checkpoint(out_dir: Path, tag: str | None = None, export_dir: Path | None = None) -> Path:
+    """A saved checkpoint of the run in `out_dir` (default: `latest`): DeepSpeed's fp32 master weights,
+    gathered from every rank's shard file by its zero_to_fp32, cast to the run's model dtype."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from transformers import AutoModelForCausalLM
+
+    out_dir = Path(out_dir)
+    tag = tag or checkpoint.latest_tag(out_dir)
+    if tag is None or not (checkpoint.ckpt_root(out_dir) / tag).is_dir():
+        raise FileNotFoundError(f"no checkpoint {tag or '(latest)'} under {checkpoint.ckpt_root(out_dir)}")
+    cfg = to_dataclass(json.loads((out_dir / "config.json").read_text())["config"])
+    export_dir = Path(export_dir or out_dir / f"hf_export_{tag}")
+    # every weight is overwritten from the checkpoint, so HF's random init would be wasted time
+    with no_init_weights() if no_init_weights is not None else contextlib.nullcontext():
+        hf_model = AutoModelForCausalLM.from_config(hf_config_of(cfg.model), dtype=model_dtype(cfg),
+                                                    attn_implementation="sdpa")
+    state = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint.ckpt_root(out_dir)), tag=tag)
+    state = {k.removeprefix(_PREFIX): v for k, v in state.items()}
+    hf_model.load_state_dict(state, strict=True)  # zero_to_fp32 names a tied lm_head too
+    _save_folder(hf_model, hf_model.state_dict(), export_dir, tokenizer_of(cfg.data))
+    return export_dir

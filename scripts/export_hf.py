@@ -1,0 +1,31 @@
+#!/usr/bin/env python3
+"""Write an HF `save_pretrained` folder (safetensors + the run's tokenizer) from any checkpoint of a run.
+
+    python scripts/export_hf.py outputs/demo                          # its latest checkpoint
+    python scripts/export_hf.py outputs/demo --tag step_00000010 --out exported/step10
+
+One CPU process, no launcher. For the final step the run's own export (`trainer.export_hf`, `<run>/hf_export`)
+holds the same weights. This serves mid-run checkpoints, and a run that must go on with another number of
+ranks: start a new run.out_dir with model.source=pretrained model.path=<the export> (the optimizer starts fresh).
+"""
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+
+from engine.export import export_hf_from_checkpoint  # noqa: E402
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run_dir", type=Path, help="the run's run.out_dir (holds config.json and checkpoints/)")
+    parser.add_argument("--tag", default=None, help="a checkpoint under checkpoints/, e.g. step_00000010 "
+                        "(default: the one `latest` names)")
+    parser.add_argument("--out", type=Path, default=None, help="the folder to write (default: <run_dir>/hf_export_<tag>)")
+    args = parser.parse_args(argv)
+    print(export_hf_from_checkpoint(args.run_dir, args.tag, args.out))
+
+
+if __name__ == "__main__":
+    main()
