@@ -37,6 +37,9 @@ class TrainerConfig:
     # after each save, delete all but the newest N checkpoints (the one `latest` names among them); 0 = keep all
     keep_checkpoints: int = 0
     resume: bool = True  # resume from out_dir's latest checkpoint if there is one
+    # a ZeRO-3 checkpoint written by another number of ranks: re-partition it (DeepSpeed's universal checkpoint,
+    # a temporary copy of the fp32 weights and Adam moments) and continue exactly; false: refuse (engine/reshard.py)
+    reshard_on_resume: bool = True
     stop_after_steps: int = 0  # debug/tests: exit after N steps as if interrupted (to test resume); 0 = off
     export_hf: bool = True  # at the end, write an HF `save_pretrained` folder of the trained model
     loss_chunk_size: int = 4096  # tokens per chunk of the chunked logits + loss (full-vocab logits never exist)

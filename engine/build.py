@@ -80,10 +80,10 @@ def _uninitialised_on(device: torch.device, hf_config, dtype: torch.dtype):
     return model
 
 
-def build(cfg: TrainConfig, plan: Plan, topo: Topology, device: torch.device):
+def build(cfg: TrainConfig, plan: Plan, topo: Topology, device: torch.device, load_universal: bool = False):
     """Returns (engine, hf_model, loss_scale)."""
     import deepspeed
-    ds_dict = to_deepspeed_dict(cfg, plan)
+    ds_dict = to_deepspeed_dict(cfg, plan, load_universal)
     hf = build_hf_model(cfg, ds_dict, device)
     enable_context_parallel(hf, topo, backend=cfg.model.attn_backend)
     policies = _apply_memory(hf, cfg)

@@ -25,6 +25,9 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 
+LAYOUT_FILE = "optimizer_layout.json"  # what the saved ZeRO state is partitioned for (engine/reshard.py)
+
+
 def ckpt_root(out_dir: Path) -> Path:
     return out_dir / "checkpoints"
 
@@ -74,15 +77,9 @@ def check_resume_compatible(saved: dict, current: dict) -> None:
                            "silently continue another trajectory: use a new run.out_dir or trainer.resume=false")
 
 
-def optimizer_layout(world_size: int, zero_stage: int) -> dict:
-    """What DeepSpeed's saved optimizer state is tied to: it loads only on as many ranks, at the same ZeRO
-    stage (a changed world size fails inside DeepSpeed after the model is built; a changed stage fails with a
-    bare AssertionError). cp is not part of it: at the same world size a run resumes at another cp exactly."""
-    return {"world_size": world_size, "zero_stage": zero_stage}
-
-
 def save(engine, out_dir: Path, step: int, rank: int, fingerprint: dict | None = None, keep: int = 0,
          layout: dict | None = None) -> str:
+    """`layout`: engine/reshard.py's optimizer_layout, which a resume on other ranks is checked against."""
     tag = f"step_{step:08d}"
     root = ckpt_root(out_dir)
     engine.save_checkpoint(str(root), tag=tag, client_state={"step": step}, save_latest=False)
@@ -92,7 +89,7 @@ def save(engine, out_dir: Path, step: int, rank: int, fingerprint: dict | None =
     if rank == 0 and fingerprint is not None:
         (root / tag / "resume_fingerprint.json").write_text(json.dumps(fingerprint, indent=1, sort_keys=True))
     if rank == 0 and layout is not None:
-        (root / tag / "optimizer_layout.json").write_text(json.dumps(layout, sort_keys=True))
+        (root / tag / LAYOUT_FILE).write_text(json.dumps(layout, sort_keys=True))
     dist.barrier()
     if rank == 0:
         tmp = root / "latest.tmp"
@@ -122,41 +119,29 @@ def prune(out_dir: Path, keep: int) -> list[str]:
     return doomed
 
 
-def check_resume(out_dir: Path, tag: str, fingerprint: dict, layout: dict | None = None) -> None:
-    """Refuse, before any model is built, to resume a checkpoint written with other settings, or one whose
-    optimizer state this run's ranks cannot load."""
+def check_resume(out_dir: Path, tag: str, fingerprint: dict) -> None:
+    """Refuse, before any model is built, to resume a checkpoint written with other settings."""
     saved = ckpt_root(out_dir) / tag / "resume_fingerprint.json"
     if saved.exists():
         check_resume_compatible(json.loads(saved.read_text()), json.loads(json.dumps(fingerprint)))
-    saved_layout = ckpt_root(out_dir) / tag / "optimizer_layout.json"
-    if layout is not None and saved_layout.exists():
-        check_layout_compatible(json.loads(saved_layout.read_text()), layout, ckpt_root(out_dir) / tag)
 
 
-def check_layout_compatible(saved: dict, current: dict, path: Path) -> None:
-    if saved == current:
-        return
-    raise RuntimeError(
-        f"checkpoint {path} holds ZeRO-{saved['zero_stage']} optimizer state partitioned over "
-        f"{saved['world_size']} rank(s); this run has {current['world_size']} rank(s) at ZeRO-{current['zero_stage']}, "
-        "and DeepSpeed cannot re-partition that state on load. Resume on "
-        f"{saved['world_size']} rank(s) with the same deepspeed preset (parallelism.cp may change: the trajectory "
-        "stays exact), or start a new run.out_dir from the weights alone (the optimizer state starts fresh): "
-        f"`python scripts/export_hf.py {path.parent.parent} --tag {path.name}`, then model.source=pretrained "
-        "model.path=<that export>. "
-        "Note: deepspeed.zero_stage=3 on one rank runs as ZeRO-2 (engine/ds_config.py)")
+def load(engine, out_dir: Path, tag: str, rank: int, load_root: Path | None = None) -> int:
+    """Restore engine state and RNG; returns the number of optimizer steps already done.
 
-
-def load(engine, out_dir: Path, tag: str, rank: int) -> int:
-    """Restore engine state and RNG; returns the number of optimizer steps already done."""
-    root = ckpt_root(out_dir)
+    `load_root`: where the tag's folder is, when not checkpoints/ (a resharded copy, engine/reshard.py). Such
+    a copy has no RNG states for the new ranks; they keep their own, which only dropout would read (the data
+    order is a function of the step)."""
+    root = load_root or ckpt_root(out_dir)
     path, client = engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True,
                                           load_lr_scheduler_states=True)
     if path is None:
         raise RuntimeError(f"checkpoint {root / tag} named by 'latest' could not be loaded")
-    rng = torch.load(root / tag / f"rng_rank{rank}.pt", weights_only=False)
-    torch.set_rng_state(rng["torch"])
-    random.setstate(rng["python"])
-    if rng["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
+    rng_file = root / tag / f"rng_rank{rank}.pt"
+    if load_root is None or rng_file.exists():
+        rng = torch.load(rng_file, weights_only=False)
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+        if rng["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
     return int(client["step"])

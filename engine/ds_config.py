@@ -18,7 +18,8 @@ def effective_zero_stage(cfg: TrainConfig, plan: Plan) -> int:
     return ds.zero_stage
 
 
-def to_deepspeed_dict(cfg: TrainConfig, plan: Plan) -> dict:
+def to_deepspeed_dict(cfg: TrainConfig, plan: Plan, load_universal: bool = False) -> dict:
+    """`load_universal`: the resume loads a re-partitioned copy (engine/reshard.py)."""
     ds = cfg.deepspeed
     stage = effective_zero_stage(cfg, plan)
     zero: dict = {
@@ -51,6 +52,8 @@ def to_deepspeed_dict(cfg: TrainConfig, plan: Plan) -> dict:
         "wall_clock_breakdown": False,
         "zero_allow_untested_optimizer": True,
     }
+    if load_universal:
+        config["checkpoint"] = {"load_universal": True}
     if ds.offload_optimizer:
         # ZeRO-Offload needs DeepSpeed's CPU Adam; it refuses a client torch optimizer
         config["optimizer"] = {"type": "AdamW", "params": optimizer_params(cfg)}

@@ -33,6 +33,7 @@ from .oom import oom_advice
 from .plot import plot_loss
 from .preemption import Preemption
 from .profile import maybe_profile
+from .reshard import drop_universal, needs_reshard, optimizer_layout, to_universal
 from .step import train_step
 from .tracking import Tracker
 
@@ -54,26 +55,32 @@ def train(cfg: TrainConfig, plan: Plan, rt: Runtime) -> dict:
 
     # --- resume point, checked before the model is built (refused if written with other model, data, seed or batch)
     fingerprint = checkpoint.resume_fingerprint(dataclasses.asdict(cfg))
-    layout = checkpoint.optimizer_layout(plan.world_size, effective_zero_stage(cfg, plan))
+    layout = optimizer_layout(plan.world_size, effective_zero_stage(cfg, plan))
     tag = checkpoint.latest_tag(out_dir) if cfg.trainer.resume else None
+    load_root = None  # checkpoints/, unless a checkpoint of other ranks is re-partitioned first (a copy)
     if tag is not None:
-        checkpoint.check_resume(out_dir, tag, fingerprint, layout)
+        checkpoint.check_resume(out_dir, tag, fingerprint)
+        if needs_reshard(out_dir, tag, layout, cfg.trainer.reshard_on_resume):
+            load_root = to_universal(out_dir, tag, rt.rank)
+    reshard = load_root is not None
 
     # --- model and engine; what offload will ask of the host is said first (a host OOM kills without an error)
     if rt.is_main:
         log_offload_estimate(cfg, plan, hf_config, log)
-    engine, hf, scale = build(cfg, plan, topo, rt.device)
+    engine, hf, scale = build(cfg, plan, topo, rt.device, load_universal=reshard)
     num_params = count_params(hf)
     peak_tflops = cfg.logging.peak_tflops or detect_peak_tflops(rt.device)
 
     # --- resume
     start = 0
     if tag is not None:
-        start = checkpoint.load(engine, out_dir, tag, rt.rank)
+        start = checkpoint.load(engine, out_dir, tag, rt.rank, load_root)
+        if reshard:
+            drop_universal(out_dir, rt.rank)
         if rt.is_main:
-            log.info("resumed from %s at step %d", tag, start)
+            log.info("resumed from %s at step %d%s", tag, start, ", re-partitioned for these ranks" * reshard)
 
-    # every save carries what a resume is checked against (settings, optimizer layout), and prunes to trainer.keep_checkpoints
+    # every save carries what a resume is checked against (settings, optimizer layout), then prunes
     save = functools.partial(checkpoint.save, engine, out_dir, rank=rt.rank, fingerprint=fingerprint,
                              keep=cfg.trainer.keep_checkpoints, layout=layout)
     tracker = Tracker(out_dir, cfg.logging, rt.is_main, cfg.trainer.max_steps, start,

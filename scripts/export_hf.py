@@ -22,7 +22,8 @@ def main(argv=None) -> None:
     parser.add_argument("run_dir", type=Path, help="the run's run.out_dir (holds config.json and checkpoints/)")
     parser.add_argument("--tag", default=None, help="a checkpoint under checkpoints/, e.g. step_00000010 "
                         "(default: the one `latest` names)")
-    parser.add_argument("--out", type=Path, default=None, help="the folder to write (default: <run_dir>/hf_export_<tag>)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="the folder to write (default: <run_dir>/hf_export_<tag>)")
     args = parser.parse_args(argv)
     print(export_hf_from_checkpoint(args.run_dir, args.tag, args.out))
 

@@ -13,6 +13,7 @@ from dist_harness import run_ranks
 from engine import checkpoint
 from engine.distributed import Runtime
 from engine.grad_reduction import loss_scale
+from engine.reshard import needs_reshard, optimizer_layout
 from engine.schedule import lr_factor
 from engine.step import StepResult
 from engine.tracking import Tracker
@@ -119,12 +120,19 @@ def test_keep_checkpoints_deletes_the_oldest_complete_ones_only(tmp_path):
     assert checkpoint.latest_tag(tmp_path) == "step_00000004"
 
 
-def test_optimizer_layout_must_match_to_resume(tmp_path):
-    saved = checkpoint.optimizer_layout(world_size=4, zero_stage=3)
-    checkpoint.check_layout_compatible(saved, checkpoint.optimizer_layout(4, 3), tmp_path / "step_00000002")
-    for other in (checkpoint.optimizer_layout(2, 3), checkpoint.optimizer_layout(4, 2)):
-        with pytest.raises(RuntimeError, match=r"ZeRO-3 optimizer state partitioned over 4 rank\(s\)"):
-            checkpoint.check_layout_compatible(saved, other, tmp_path / "step_00000002")
+def test_resume_reshards_zero3_state_only_and_only_when_allowed(tmp_path):
+    tag = checkpoint.ckpt_root(tmp_path) / "step_00000002"
+    tag.mkdir(parents=True)
+    assert not needs_reshard(tmp_path, tag.name, optimizer_layout(4, 3), allowed=True)  # older: no layout file
+    (tag / checkpoint.LAYOUT_FILE).write_text(json.dumps(optimizer_layout(world_size=4, zero_stage=3)))
+    assert not needs_reshard(tmp_path, tag.name, optimizer_layout(4, 3), allowed=True)
+    assert needs_reshard(tmp_path, tag.name, optimizer_layout(2, 3), allowed=True)
+    refusals = {"trainer.reshard_on_resume=false": (optimizer_layout(2, 3), False),
+                "only ZeRO-3 state loaded into ZeRO-3": (optimizer_layout(1, 2), True)}
+    for why, (layout, allowed) in refusals.items():
+        with pytest.raises(RuntimeError, match=r"ZeRO-3 optimizer state partitioned over 4 rank\(s\)") as err:
+            needs_reshard(tmp_path, tag.name, layout, allowed)
+        assert why in str(err.value) and "scripts/export_hf.py" in str(err.value)
 
 
 def test_attention_benchmark_script_runs_on_cpu():

@@ -1,0 +1,87 @@
+"""Resuming on another number of ranks.
+
+DeepSpeed's ZeRO optimizer state is saved as one shard file per rank, and `load_checkpoint` accepts it only on
+as many ranks at the same ZeRO stage: a changed world size fails inside DeepSpeed after the model is built, a
+changed stage with a bare AssertionError. Megatron's and DCP's checkpoints re-shard on load; users coming from
+them expect a resume on fewer or more GPUs to work.
+
+So each checkpoint records its layout (world size, the ZeRO stage that really ran: engine/ds_config.py runs
+ZeRO-3 on one rank as ZeRO-2). At resume:
+- same layout: DeepSpeed loads it as saved;
+- ZeRO-3 on both sides, another world size: rank 0 converts the checkpoint with DeepSpeed's own
+  `ds_to_universal` (per-parameter fp32 weights and Adam moments, no partitioning) into
+  checkpoints/universal/<tag>, every rank loads that with `checkpoint.load_universal`, and the copy is deleted.
+  Exact: the trajectory continues as the uninterrupted run's (tests/test_engine.py);
+- anything else (a ZeRO-2 side: DeepSpeed 0.19.8's universal format did not load into ZeRO-2 when tried; or
+  `trainer.reshard_on_resume=false`): refused before the model is built, with the fix.
+`parallelism.cp` is not part of the layout: at the same world size, ZeRO partitions over the same ranks.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+from .checkpoint import LAYOUT_FILE, ckpt_root
+
+log = logging.getLogger(__name__)
+
+UNIVERSAL = "universal"  # checkpoints/universal/<tag>: a converted copy, deleted once loaded
+
+
+def optimizer_layout(world_size: int, zero_stage: int) -> dict:
+    return {"world_size": world_size, "zero_stage": zero_stage}
+
+
+def needs_reshard(out_dir: Path, tag: str, layout: dict, allowed: bool) -> bool:
+    """Whether checkpoint `tag` must be converted before this run's ranks can load it; raises when it cannot be.
+    A checkpoint written before layouts were recorded is loaded as saved (DeepSpeed then judges)."""
+    path = ckpt_root(out_dir) / tag
+    if not (path / LAYOUT_FILE).exists():
+        return False
+    saved = json.loads((path / LAYOUT_FILE).read_text())
+    if saved == layout:
+        return False
+    if allowed and saved["zero_stage"] == 3 and layout["zero_stage"] == 3:
+        return True
+    why = ("trainer.reshard_on_resume=false" if not allowed else
+           "only ZeRO-3 state loaded into ZeRO-3 is re-partitioned here (DeepSpeed's universal format did not load "
+           "into ZeRO-2 in our tests)")
+    raise RuntimeError(
+        f"checkpoint {path} holds ZeRO-{saved['zero_stage']} optimizer state partitioned over "
+        f"{saved['world_size']} rank(s); this run has {layout['world_size']} rank(s) at ZeRO-{layout['zero_stage']}, "
+        f"and {why}. Resume on {saved['world_size']} rank(s) with the same deepspeed preset (parallelism.cp may "
+        "change: the trajectory stays exact), or start a new run.out_dir from the weights alone (the optimizer "
+        f"state starts fresh): `python scripts/export_hf.py {out_dir} --tag {tag}`, then model.source=pretrained "
+        "model.path=<that export>. Note: deepspeed.zero_stage=3 on one rank runs as ZeRO-2 (engine/ds_config.py)")
+
+
+def to_universal(out_dir: Path, tag: str, rank: int) -> Path:
+    """Rank 0 converts checkpoints/<tag> into checkpoints/universal/<tag>; every rank gets the root to load
+    from, or the conversion's error."""
+    root = ckpt_root(out_dir) / UNIVERSAL
+    error = None
+    if rank == 0:
+        shutil.rmtree(root, ignore_errors=True)  # a conversion a crash cut short
+        log.info("re-partitioning checkpoint %s for this run's ranks (DeepSpeed ds_to_universal)", tag)
+        done = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
+                               "--input_folder", str(ckpt_root(out_dir) / tag), "--output_folder", str(root / tag)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            error = f"ds_to_universal failed on {ckpt_root(out_dir) / tag}:\n{done.stdout[-2000:]}{done.stderr[-4000:]}"
+    message = [error]
+    dist.broadcast_object_list(message, src=0)  # every rank raises, not only rank 0
+    if message[0] is not None:
+        raise RuntimeError(message[0])
+    return root
+
+
+def drop_universal(out_dir: Path, rank: int) -> None:
+    dist.barrier()  # every rank has loaded it
+    if rank == 0:
+        shutil.rmtree(ckpt_root(out_dir) / UNIVERSAL, ignore_errors=True)
