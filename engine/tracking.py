@@ -25,7 +25,7 @@ class Tracker:
         if cfg.progress_bar:
             from tqdm import tqdm
             self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
-        self.wandb_run = _start_wandb(cfg.wandb, config_dict, out_dir)
+        self.wandb_run = _start_wandb(cfg.wandb, config_dict, out_dir, start_step)
         self.log_every = max(1, cfg.log_every)
 
     def log(self, record: dict) -> None:
@@ -76,13 +76,20 @@ def _step_of(line: str) -> float:
         return float("inf")
 
 
-def _start_wandb(wcfg, config_dict: dict, out_dir: Path):
+def _start_wandb(wcfg, config_dict: dict, out_dir: Path, start_step: int = 0):
+    """A resumed run (start_step > 0) continues the W&B run of the run it resumes, whose id out_dir keeps,
+    so one run's charts hold one trajectory. Steps that run again after the checkpoint are dropped by W&B,
+    which keeps the values it logged first; a resume is exact, so they are the same numbers."""
     if wcfg.mode == "disabled":
         return None
     if wcfg.mode == "online" and not os.environ.get("WANDB_API_KEY"):
         raise RuntimeError("logging.wandb.mode=online needs WANDB_API_KEY in the environment (no login "
                            "prompt is shown); use logging.wandb.mode=offline and `wandb sync` later")
     import wandb
-    return wandb.init(project=wcfg.project, entity=wcfg.entity, name=wcfg.name, mode=wcfg.mode,
-                      dir=str(wcfg.dir or out_dir), config=config_dict,
-                      settings=wandb.Settings(silent=True))
+    id_file = out_dir / "wandb_run_id"
+    run_id = id_file.read_text().strip() if start_step > 0 and id_file.exists() else None
+    run = wandb.init(project=wcfg.project, entity=wcfg.entity, name=wcfg.name, mode=wcfg.mode,
+                     dir=str(wcfg.dir or out_dir), config=config_dict, id=run_id,
+                     resume="allow" if run_id else None, settings=wandb.Settings(silent=True))
+    id_file.write_text(run.id + "\n")
+    return run

@@ -67,8 +67,17 @@ def test_wandb_offline_writes_a_local_run(tmp_path, monkeypatch):
     tracker = Tracker(tmp_path, _wandb_cfg("offline"), True, 3, 0, {"x": 1})
     tracker.log({"step": 1, "loss": 2.0, "tokens_per_sec_per_gpu": 1.0, "mfu": None})
     tracker.close()
-    assert list((tmp_path / "wandb").glob("offline-run-*"))
+    first = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(first) == 1
     assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 1
+    run_id = first[0].name.rsplit("-", 1)[1]
+    # resumed at step 1: the same W&B run goes on (offline: a second folder with the same id, which
+    # `wandb sync` appends to that run); a fresh run in the same folder starts a new one
+    for start, same in ((1, True), (0, False)):
+        tracker = Tracker(tmp_path, _wandb_cfg("offline"), True, 3, start, {"x": 1})
+        tracker.log({"step": start + 1, "loss": 2.0, "tokens_per_sec_per_gpu": 1.0, "mfu": None})
+        tracker.close()
+        assert (tracker.wandb_run.id == run_id) == same
 
 
 def _rows(n):
