@@ -190,16 +190,20 @@ def test_hf_export_reloads_with_the_trained_weights(tmp_path):
         assert not torch.allclose(step1(input_ids=ids).logits, got)  # the mid-run checkpoint is another model
 
 
-def test_export_of_a_tied_zero2_checkpoint_equals_the_run_export(tmp_path):
-    train(tmp_path, "tied", 1, ["parallelism.cp=1", "trainer.max_steps=1", "trainer.export_hf=true",
-                                "trainer.save_at_end=true", "model.arch.tie_word_embeddings=true"])
+@pytest.mark.parametrize("name,world,extra", [
+    ("tied_zero2", 1, ["parallelism.cp=1", "model.arch.tie_word_embeddings=true"]),
+    # the checkpoint's "fp32" partitions are bf16 here; the run's export rounds the same masters to bf16
+    ("bf16_masters_zero3", 2, ["parallelism.cp=2", "precision=bf16", "deepspeed.master_weights=bf16"]),
+])
+def test_export_of_a_checkpoint_equals_the_run_export(tmp_path, name, world, extra):
+    train(tmp_path, name, world, extra + ["trainer.max_steps=1", "trainer.export_hf=true", "trainer.save_at_end=true"])
     from transformers import AutoModelForCausalLM
-    out = tmp_path / "tied"
+    out = tmp_path / name
     run_export = AutoModelForCausalLM.from_pretrained(out / "hf_export").state_dict()
     from_ckpt = AutoModelForCausalLM.from_pretrained(export_hf_from_checkpoint(out)).state_dict()
     assert run_export.keys() == from_ckpt.keys()
-    for name, value in run_export.items():
-        assert torch.equal(from_ckpt[name], value), name
+    for key, value in run_export.items():
+        assert from_ckpt[key].dtype == value.dtype and torch.equal(from_ckpt[key], value), key
 
 
 def _free_port():
