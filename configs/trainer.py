@@ -3,6 +3,7 @@
 from dataclasses import dataclass
 
 NONFINITE_POLICIES = ("abort", "skip")
+LR_DECAYS = ("cosine", "linear", "constant")
 
 
 @dataclass
@@ -13,6 +14,7 @@ class TrainerConfig:
     global_batch_size: int = 4
     micro_batch_size: int = 1  # samples per forward/backward on one dp rank (one cp group)
     lr: float = 1e-3  # peak learning rate (AdamW)
+    lr_decay: str = "cosine"  # after warmup: cosine | linear to lr * min_lr_ratio at max_steps, or constant
     min_lr_ratio: float = 0.1  # after warmup the lr decays to lr * min_lr_ratio at max_steps
     warmup_steps: int = 2  # linear warmup steps, counted in max_steps
     weight_decay: float = 0.0

@@ -264,6 +264,7 @@ REFUSALS = [
         2,
         r"trainer\.on_nonfinite=ignore is not one of \{abort, skip\}",
     ),
+    ("lr_decay", ["trainer.lr_decay=step"], 2, r"trainer\.lr_decay=step is not one of \{cosine, linear, constant\}"),
     (
         "offload_cap_without_offload",
         ["memory.offload_max_gib=40"],

@@ -14,7 +14,7 @@ from engine import checkpoint
 from engine.distributed import Runtime
 from engine.grad_reduction import loss_scale
 from engine.reshard import needs_reshard, optimizer_layout
-from engine.schedule import lr_factor
+from engine.schedule import build_scheduler, lr_factor
 from engine.step import StepResult
 from engine.tracking import Tracker
 from engine.train import _metrics
@@ -48,6 +48,24 @@ def test_lr_schedule_warmup_then_cosine_to_the_floor():
     assert f[:2] == [0.5, 1.0]
     assert f[2] == pytest.approx(1.0) and f[10] == pytest.approx(0.1)
     assert all(a >= b for a, b in zip(f[2:], f[3:]))
+
+
+def test_lr_schedule_linear_and_constant_decay():
+    linear = [lr_factor(s, warmup_steps=2, max_steps=10, min_lr_ratio=0.1, decay="linear") for s in range(11)]
+    # after warmup, 8 decay steps from 1.0 to 0.1: 0.1125 per step, by hand
+    assert linear[:2] == [0.5, 1.0]
+    assert linear[2:] == pytest.approx([1.0 - 0.1125 * i for i in range(9)])
+    constant = [lr_factor(s, warmup_steps=2, max_steps=10, min_lr_ratio=0.1, decay="constant") for s in range(11)]
+    assert constant == [0.5] + [1.0] * 10
+    # the scheduler the engine hands DeepSpeed follows trainer.lr_decay
+    trainer = SimpleNamespace(warmup_steps=2, max_steps=10, min_lr_ratio=0.1, lr_decay="linear")
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=2.0)
+    scheduler, lrs = build_scheduler(trainer)(optimizer), []
+    for _ in range(11):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert lrs == pytest.approx([2.0 * f for f in linear])
 
 
 def _wandb_cfg(mode):
