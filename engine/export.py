@@ -2,8 +2,8 @@
 or from any saved checkpoint of a run afterwards, in one CPU process.
 
 The second is for what the first cannot serve: a mid-run checkpoint to evaluate, and a run that must go on
-with another number of ranks, whose ZeRO optimizer state DeepSpeed cannot re-partition (a new run from the
-export, `model.source=pretrained model.path=<export>`, with a fresh optimizer state).
+where its optimizer state cannot follow (e.g. onto one rank, engine/reshard.py): a new run from the export,
+`model.source=pretrained model.path=<export>`, with a fresh optimizer state.
 """
 from __future__ import annotations
 

@@ -21,8 +21,8 @@ from ds_ulysses_ext import init_topology
 from . import checkpoint
 from .build import build
 from .data import GlobalBatchSampler, build_dataset, collate, pad_id_of
-from .ds_config import effective_zero_stage
 from .distributed import Runtime
+from .ds_config import effective_zero_stage
 from .evaluate import eval_set, evaluate
 from .export import export_hf
 from .flops import count_params, detect_peak_tflops, step_flops
@@ -78,7 +78,7 @@ def train(cfg: TrainConfig, plan: Plan, rt: Runtime) -> dict:
         if reshard:
             drop_universal(out_dir, rt.rank)
         if rt.is_main:
-            log.info("resumed from %s at step %d%s", tag, start, ", re-partitioned for these ranks" * reshard)
+            log.info("resumed from %s at step %d%s", tag, start, ", re-partitioned for these ranks" if reshard else "")
 
     # every save carries what a resume is checked against (settings, optimizer layout), then prunes
     save = functools.partial(checkpoint.save, engine, out_dir, rank=rt.rank, fingerprint=fingerprint,
