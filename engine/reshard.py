@@ -10,7 +10,8 @@ ZeRO-3 on one rank as ZeRO-2). At resume:
 - same layout: DeepSpeed loads it as saved;
 - ZeRO-3 on both sides, another world size: rank 0 converts the checkpoint with DeepSpeed's own
   `ds_to_universal` (per-parameter fp32 weights and Adam moments, no partitioning) into
-  checkpoints/universal/<tag>, every rank loads that with `checkpoint.load_universal`, and the copy is deleted.
+  checkpoints/universal/<tag>, every rank loads that with `checkpoint.load_universal`, `finish_reshard` repairs
+  what the loader leaves wrong, and the copy is deleted.
   Exact: the trajectory continues as the uninterrupted run's (tests/test_engine.py);
 - anything else (a ZeRO-2 side: DeepSpeed 0.19.8's universal format did not load into ZeRO-2 when tried; or
   `trainer.reshard_on_resume=false`): refused before the model is built, with the fix.
@@ -25,6 +26,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from .checkpoint import LAYOUT_FILE, ckpt_root
@@ -81,7 +83,24 @@ def to_universal(out_dir: Path, tag: str, rank: int) -> Path:
     return root
 
 
-def drop_universal(out_dir: Path, rank: int) -> None:
-    dist.barrier()  # every rank has loaded it
+def finish_reshard(engine, out_dir: Path, rank: int) -> None:
+    """After every rank has loaded the converted copy: repair what DeepSpeed's universal loader leaves wrong,
+    then delete the copy."""
+    # DeepSpeed 0.19.8's ZeRO-3 universal loader sets Adam's `step` from a CPU-loaded file, on the CPU; torch's
+    # fused AdamW then refuses the first step on a GPU ("state_steps is on cpu"). Found on two H200s
+    # (scripts/check_reshard.sh); a CPU run cannot show it.
+    steps_to_param_device(engine.optimizer.optimizer)
+    dist.barrier()
     if rank == 0:
         shutil.rmtree(ckpt_root(out_dir) / UNIVERSAL, ignore_errors=True)
+
+
+def steps_to_param_device(optimizer) -> int:
+    """Move each parameter's tensor `step` in a torch optimizer's state to that parameter's device."""
+    moved = 0
+    for param, state in optimizer.state.items():
+        step = state.get("step")
+        if isinstance(step, torch.Tensor) and step.device != param.device:
+            state["step"] = step.to(param.device)
+            moved += 1
+    return moved

@@ -33,7 +33,7 @@ from .oom import oom_advice
 from .plot import plot_loss
 from .preemption import Preemption
 from .profile import maybe_profile
-from .reshard import drop_universal, needs_reshard, optimizer_layout, to_universal
+from .reshard import finish_reshard, needs_reshard, optimizer_layout, to_universal
 from .step import train_step
 from .tracking import Tracker
 
@@ -76,7 +76,7 @@ def train(cfg: TrainConfig, plan: Plan, rt: Runtime) -> dict:
     if tag is not None:
         start = checkpoint.load(engine, out_dir, tag, rt.rank, load_root)
         if reshard:
-            drop_universal(out_dir, rt.rank)
+            finish_reshard(engine, out_dir, rt.rank)
         if rt.is_main:
             log.info("resumed from %s at step %d%s", tag, start, ", re-partitioned for these ranks" if reshard else "")
 

@@ -13,7 +13,7 @@ from dist_harness import run_ranks
 from engine import checkpoint
 from engine.distributed import Runtime
 from engine.grad_reduction import loss_scale
-from engine.reshard import needs_reshard, optimizer_layout
+from engine.reshard import needs_reshard, optimizer_layout, steps_to_param_device
 from engine.schedule import build_scheduler, lr_factor
 from engine.step import StepResult
 from engine.tracking import Tracker
@@ -160,6 +160,17 @@ def test_resume_reshards_zero3_state_only_and_only_when_allowed(tmp_path):
         with pytest.raises(RuntimeError, match=r"ZeRO-3 optimizer state partitioned over 4 rank\(s\)") as err:
             needs_reshard(tmp_path, tag.name, layout, allowed)
         assert why in str(err.value) and "scripts/export_hf.py" in str(err.value)
+
+
+def test_adam_steps_move_to_their_parameters_device():
+    # after a universal load on GPUs, Adam's step sits on the CPU and fused AdamW refuses it; here "meta" stands
+    # for the parameter's device, which a CPU-only machine lacks
+    on_device, already = torch.zeros(3, device="meta"), torch.zeros(3)
+    optimizer = SimpleNamespace(state={on_device: {"step": torch.tensor(7.0), "exp_avg": torch.zeros(3)},
+                                       already: {"step": torch.tensor(7.0)}})
+    assert steps_to_param_device(optimizer) == 1
+    assert optimizer.state[on_device]["step"].device.type == "meta"
+    assert optimizer.state[already]["step"].device.type == "cpu"
 
 
 def test_attention_benchmark_script_runs_on_cpu():
