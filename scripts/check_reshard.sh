@@ -12,10 +12,12 @@ mkdir -p "$OUT"
 source scripts/bench_site.sh
 NGPU=${NGPU:-$(nvidia-smi -L | wc -l)}
 COMMON="model=tiny data=synthetic data.seq_len=4096 data.num_samples=64 precision=fp32 parallelism.cp=$NGPU
-  trainer.max_steps=4 trainer.global_batch_size=2 trainer.warmup_steps=1 trainer.export_hf=false logging.progress_bar=false"
+  trainer.max_steps=4 trainer.global_batch_size=2 trainer.warmup_steps=1 trainer.export_hf=false
+  logging.progress_bar=false"
 run() { torchrun --standalone --nproc_per_node "$1" scripts/train.py $COMMON "${@:2}"; }
 run "$NGPU" run.out_dir="$OUT/ref"
-run 1 run.out_dir="$OUT/moved" parallelism.cp=1 deepspeed.offload_param=true trainer.save_every=2 trainer.stop_after_steps=2
+run 1 run.out_dir="$OUT/moved" parallelism.cp=1 deepspeed.offload_param=true trainer.save_every=2 \
+  trainer.stop_after_steps=2
 run "$NGPU" run.out_dir="$OUT/moved" > "$OUT/resume_log.txt" 2>&1 || { tail -40 "$OUT/resume_log.txt"; exit 1; }
 grep -E "re-partition|resumed from" "$OUT/resume_log.txt" || true
 python3 scripts/export_hf.py "$OUT/moved" --out "$OUT/moved_export" > /dev/null

@@ -6,9 +6,9 @@
 
 One CPU process, no launcher; it holds the fp32 weights and the model in host memory (about 6 bytes per
 parameter for a bf16 model: 48 GB for 8B). For the final step the run's own export (`trainer.export_hf`,
-`<run>/hf_export`) holds the same weights. This serves mid-run checkpoints, and a run that must go on where its optimizer state
-cannot follow (e.g. onto one rank, engine/reshard.py): start a new run.out_dir with model.source=pretrained
-model.path=<the export> (the optimizer starts fresh).
+`<run>/hf_export`) holds the same weights. This serves mid-run checkpoints, and a run that must go on where
+its optimizer state cannot follow (e.g. onto one rank, engine/reshard.py): start a new run.out_dir with
+model.source=pretrained model.path=<the export> (the optimizer starts fresh).
 """
 import argparse
 import sys
