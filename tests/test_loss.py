@@ -51,6 +51,26 @@ def test_fused_loss_equals_full_logits_loss_under_any_scale(chunk, scale):
         assert _rel(g, r) < RTOL
 
 
+def test_fused_loss_in_bf16_rounds_as_hf_does():
+    # bf16 weights: logits rounded to bf16 by the lm_head matmul, then an fp32 log-softmax, as HF's
+    # cross_entropy(logits.float()) does. So the loss agrees to fp32 summation order (logits kept in fp32 would be
+    # ~1e-4 off). The gradients pass through bf16 matmuls (HF's in one, ours chunk by chunk with an fp32 sum),
+    # hence bf16's tolerance for them
+    torch.manual_seed(0)
+    weight = (torch.randn(3000, 64) * 0.5).bfloat16().requires_grad_()
+    hidden = torch.randn(1, 700, 64).bfloat16().requires_grad_()
+    labels = torch.randint(0, 3000, (1, 700))
+    labels[0, :100] = IGNORE_INDEX
+    ref = F.cross_entropy((hidden @ weight.t()).float().reshape(-1, 3000), labels.reshape(-1),
+                          ignore_index=IGNORE_INDEX, reduction="sum")
+    ref_grads = torch.autograd.grad(ref, [hidden, weight])
+    got, _ = linear_cross_entropy_sum(weight, hidden, labels, chunk_size=256)
+    grads = torch.autograd.grad(got, [hidden, weight])
+    assert _rel(got, ref) < 1e-6
+    for g, r in zip(grads, ref_grads):
+        assert g.dtype == r.dtype and _rel(g.float(), r.float()) < 1e-2
+
+
 def test_fused_loss_without_grad_and_with_a_frozen_head():
     weight = torch.randn(7, 4)  # frozen (LoRA-style): only the hidden states get a gradient
     hidden = torch.randn(1, 5, 4, requires_grad=True)
