@@ -6,9 +6,12 @@ Works under `deepspeed --no_local_rank`, plain `deepspeed` (scripts/train.py dro
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 
 import torch
+
+from ds_ulysses_ext.topology import cp_group_ranks
 
 
 @dataclass(frozen=True)
@@ -52,3 +55,22 @@ def init_distributed(rt: Runtime) -> None:
     one_pass_zero2_grad_norm()
     if not torch.distributed.is_initialized():
         deepspeed.init_distributed(dist_backend="nccl" if rt.device.type == "cuda" else "gloo")
+
+
+def cp_group_node_spans(world_size: int, cp: int) -> list[int]:
+    """How many hosts each CP group spans. Collective: every rank contributes its hostname."""
+    hosts = [None] * world_size
+    torch.distributed.all_gather_object(hosts, socket.gethostname())
+    return [len({hosts[r] for r in ranks}) for ranks in cp_group_ranks(world_size, cp)]
+
+
+def cp_placement_warning(spans: list[int], cp: int) -> str | None:
+    """A CP group over several nodes runs every attention layer's all-to-alls over the inter-node network,
+    several times slower than NVLink; it works, so it is a warning, but nothing else would say it."""
+    crossing = sum(span > 1 for span in spans)
+    if not crossing:
+        return None
+    return (f"{crossing} of {len(spans)} CP groups (parallelism.cp={cp}, runs of consecutive ranks) span more "
+            f"than one node (up to {max(spans)}): each attention layer's Ulysses all-to-alls then cross the "
+            "inter-node network. Keep cp within a node (a divisor of the GPUs per node) and let dp span the nodes, "
+            "unless one sequence needs more GPU memory than a node has")

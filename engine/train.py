@@ -21,7 +21,7 @@ from ds_ulysses_ext import init_topology
 from . import checkpoint
 from .build import build
 from .data import GlobalBatchSampler, build_dataset, collate, pad_id_of
-from .distributed import Runtime
+from .distributed import Runtime, cp_group_node_spans, cp_placement_warning
 from .ds_config import effective_zero_stage
 from .evaluate import eval_set, evaluate
 from .export import export_hf
@@ -43,6 +43,9 @@ log = logging.getLogger(__name__)
 def train(cfg: TrainConfig, plan: Plan, rt: Runtime) -> dict:
     out_dir = Path(cfg.run.out_dir)
     topo = init_topology(plan.cp, plan.ep)
+    placement = cp_placement_warning(cp_group_node_spans(plan.world_size, plan.cp), plan.cp)
+    if placement and rt.is_main:
+        log.warning(placement)
 
     # --- data: a step's samples depend only on (seed, data, global batch), never on the layout
     hf_config = hf_config_of(cfg.model)

@@ -11,7 +11,7 @@ import torch
 from configs import Plan
 from dist_harness import run_ranks
 from engine import checkpoint
-from engine.distributed import Runtime
+from engine.distributed import Runtime, cp_placement_warning
 from engine.grad_reduction import loss_scale
 from engine.reshard import needs_reshard, optimizer_layout, steps_to_param_device
 from engine.schedule import build_scheduler, lr_factor
@@ -171,6 +171,27 @@ def test_adam_steps_move_to_their_parameters_device():
     assert steps_to_param_device(optimizer) == 1
     assert optimizer.state[on_device]["step"].device.type == "meta"
     assert optimizer.state[already]["step"].device.type == "cpu"
+
+
+def _node_spans(rank, world, cp, ranks_per_node, out_dir):
+    import socket
+    from engine.distributed import cp_group_node_spans
+    socket.gethostname = lambda: f"node{rank // ranks_per_node}"  # this rank's process only
+    spans = cp_group_node_spans(world, cp)
+    if rank == 0:
+        (Path(out_dir) / f"spans_{cp}_{ranks_per_node}.json").write_text(json.dumps(spans))
+
+
+@pytest.mark.parametrize("cp,ranks_per_node,spans", [(2, 2, [1, 1]), (4, 2, [2]), (2, 4, [1, 1]), (1, 1, [1] * 4),
+                                                     (2, 3, [1, 2])])  # 3 + 1 ranks: the second group straddles
+def test_cp_groups_that_cross_nodes_are_named(tmp_path, cp, ranks_per_node, spans):
+    run_ranks(_node_spans, 4, cp, ranks_per_node, str(tmp_path))
+    got = json.loads((tmp_path / f"spans_{cp}_{ranks_per_node}.json").read_text())
+    assert got == spans
+    warning = cp_placement_warning(got, cp)
+    assert (warning is None) == (max(spans) == 1)
+    if warning:
+        assert f"1 of {len(spans)} CP groups (parallelism.cp={cp}," in warning and "up to 2" in warning
 
 
 def test_attention_benchmark_script_runs_on_cpu():
