@@ -26,7 +26,7 @@ from .ds_config import effective_zero_stage
 from .evaluate import eval_set, evaluate
 from .export import export_hf
 from .flops import count_params, detect_peak_tflops, step_flops
-from .hf_config import hf_config_of
+from .hf_config import hf_config_of, position_warning
 from .host_memory import log_offload_estimate
 from .nonfinite import NonFiniteStep, judge, skipped_warning
 from .oom import oom_advice
@@ -49,6 +49,9 @@ def train(cfg: TrainConfig, plan: Plan, rt: Runtime) -> dict:
 
     # --- data: a step's samples depend only on (seed, data, global batch), never on the layout
     hf_config = hf_config_of(cfg.model)
+    long_positions = position_warning(hf_config, plan.seq_len, plan.cp) if cfg.model.source == "pretrained" else None
+    if long_positions and rt.is_main:
+        log.warning(long_positions)
     dataset, stats, tokenizer = build_dataset(cfg.data, seed=cfg.run.seed, vocab_size=hf_config.vocab_size)
     num_train, eval_data, eval_indices = eval_set(cfg.data, dataset, cfg.run.seed, hf_config.vocab_size)
     sampler = GlobalBatchSampler(num_train, plan.global_batch_size, cfg.run.seed)

@@ -13,6 +13,7 @@ from dist_harness import run_ranks
 from engine import checkpoint
 from engine.distributed import Runtime, cp_placement_warning
 from engine.grad_reduction import loss_scale
+from engine.hf_config import position_warning
 from engine.reshard import needs_reshard, optimizer_layout, steps_to_param_device
 from engine.schedule import build_scheduler, lr_factor
 from engine.step import StepResult
@@ -192,6 +193,14 @@ def test_cp_groups_that_cross_nodes_are_named(tmp_path, cp, ranks_per_node, span
     assert (warning is None) == (max(spans) == 1)
     if warning:
         assert f"1 of {len(spans)} CP groups (parallelism.cp={cp}," in warning and "up to 2" in warning
+
+
+def test_a_pretrained_model_trained_past_its_positions_is_warned_about():
+    config = SimpleNamespace(max_position_embeddings=1000)
+    assert position_warning(config, seq_len=1000, cp=4) is None
+    warning = position_warning(config, seq_len=1001, cp=4)  # padded to 1004
+    assert "data.seq_len=1001 (padded to 1004 for cp) exceeds the model's max_position_embeddings=1000" in warning
+    assert position_warning(SimpleNamespace(), seq_len=10**6, cp=1) is None  # a config without the key
 
 
 def test_attention_benchmark_script_runs_on_cpu():
