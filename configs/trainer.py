@@ -35,6 +35,9 @@ class TrainerConfig:
     # eval_tokens); 0 = never
     eval_every: int = 0
     save_every: int = 0  # checkpoint every N steps; 0 = only at the end (if save_at_end)
+    # also checkpoint after the first step that ends this many minutes after the last checkpoint (or the start):
+    # a preemption then loses at most about that much work, however long a step is; 0 = off
+    save_every_minutes: float = 0.0
     save_at_end: bool = True
     # after each save, delete all but the newest N checkpoints (the one `latest` names among them); 0 = keep all
     keep_checkpoints: int = 0

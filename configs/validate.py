@@ -202,6 +202,8 @@ def _check_trainer(t: TrainerConfig) -> None:
     _require(t.gc_every >= 0, f"trainer.gc_every={t.gc_every} must be >= 0 (0 = never collect manually)")
     _require(t.eval_every >= 0, f"trainer.eval_every={t.eval_every} must be >= 0 (0 = never evaluate)")
     _require(t.save_every >= 0, f"trainer.save_every={t.save_every} must be >= 0 (0 = only at the end)")
+    _require(t.save_every_minutes >= 0,
+             f"trainer.save_every_minutes={t.save_every_minutes} must be >= 0 (0 = no timed checkpoints)")
     _require(t.keep_checkpoints >= 0,
              f"trainer.keep_checkpoints={t.keep_checkpoints} must be >= 0 (0 = keep every checkpoint)")
     _require(t.loss_chunk_size >= 1, f"trainer.loss_chunk_size={t.loss_chunk_size} must be >= 1")

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import gc
 import json
 import logging
@@ -86,15 +85,18 @@ def train(cfg: TrainConfig, plan: Plan, rt: Runtime) -> dict:
         if rt.is_main:
             log.info("resumed from %s at step %d%s", tag, start, ", re-partitioned for these ranks" if reshard else "")
 
-    # every save carries what a resume is checked against (settings, optimizer layout), then prunes
-    save = functools.partial(checkpoint.save, engine, out_dir, rank=rt.rank, fingerprint=fingerprint,
-                             keep=cfg.trainer.keep_checkpoints, layout=layout)
+    def save(at_step: int) -> None:
+        # every save carries what a resume is checked against (settings, optimizer layout), then prunes
+        checkpoint.save(engine, out_dir, at_step, rt.rank, fingerprint, keep=cfg.trainer.keep_checkpoints,
+                        layout=layout)
+        preemption.saved()
+
     tracker = Tracker(out_dir, cfg.logging, rt.is_main, cfg.trainer.max_steps, start,
                       dataclasses.asdict(cfg))
     # automatic GC pauses one rank at a random moment and stalls every collective; collect together instead
     gc.disable()
     stop = min(cfg.trainer.max_steps, cfg.trainer.stop_after_steps or cfg.trainer.max_steps)
-    preemption = Preemption()
+    preemption = Preemption(cfg.trainer.save_every_minutes)  # signal handlers, restored in `finally`
     try:
         for step in range(start, stop):
             micro_batches = [collate([dataset[i] for i in idx], cfg.data.seq_len, pad_id)
@@ -130,9 +132,10 @@ def train(cfg: TrainConfig, plan: Plan, rt: Runtime) -> dict:
                 log.warning(skipped_warning(step + 1, result))
             if cfg.trainer.gc_every and (step + 1) % cfg.trainer.gc_every == 0:
                 gc.collect()
-            if cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0:
+            stop_now, save_due = preemption.agreed(rt.device, rt.is_main)
+            if save_due or (cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0):
                 save(step + 1)
-            if step + 1 < stop and preemption.agreed(rt.device):
+            if step + 1 < stop and stop_now:
                 if checkpoint.latest_tag(out_dir) != f"step_{step + 1:08d}":
                     save(step + 1)
                 return {"preempted_at": step + 1}

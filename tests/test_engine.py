@@ -128,6 +128,14 @@ def test_resume_on_other_ranks_is_exact_or_refused_before_the_build(tmp_path):
         train(tmp_path, "shrunk", 1, ["parallelism.cp=1"])
 
 
+def test_timed_checkpoints_are_taken_by_every_rank_after_the_same_steps(tmp_path):
+    # an interval shorter than any step: every step ends past it, on rank 0's clock, for all ranks together
+    train(tmp_path, "timed", 2, ["parallelism.cp=2", "trainer.save_every_minutes=0.000001"])
+    root = tmp_path / "timed" / "checkpoints"
+    assert sorted(p.name for p in root.glob("step_*")) == [f"step_{s:08d}" for s in range(1, 6)]
+    assert all(len(list((root / f"step_{s:08d}").glob("rng_rank*.pt"))) == 2 for s in range(1, 6))
+
+
 def test_resume_refuses_a_checkpoint_of_another_run(tmp_path):
     extra = ["parallelism.cp=2", "trainer.max_steps=2", "trainer.save_at_end=true"]
     train(tmp_path, "other", 2, extra)

@@ -203,6 +203,30 @@ def test_a_pretrained_model_trained_past_its_positions_is_warned_about():
     assert position_warning(SimpleNamespace(), seq_len=10**6, cp=1) is None  # a config without the key
 
 
+def test_timed_checkpoint_is_due_after_the_interval_and_on_rank_0s_clock(monkeypatch):
+    import engine.preemption as pre
+    now = [1000.0]
+    monkeypatch.setattr(pre.time, "monotonic", lambda: now[0])
+    clock = pre.Preemption(save_every_minutes=2)
+    try:
+        cpu = torch.device("cpu")
+        now[0] += 119
+        assert clock.agreed(cpu, is_main=True) == (False, False)
+        now[0] += 1
+        assert clock.agreed(cpu, is_main=True) == (False, True)
+        assert clock.agreed(cpu, is_main=False) == (False, False)  # other ranks get rank 0's answer, by all-reduce
+        clock.saved()
+        assert clock.agreed(cpu, is_main=True) == (False, False)
+        clock.requested = True
+        assert clock.agreed(cpu, is_main=True) == (True, False)
+    finally:
+        clock.restore()
+    off = pre.Preemption(save_every_minutes=0)
+    now[0] += 10**6
+    assert off.agreed(torch.device("cpu"), is_main=True) == (False, False)
+    off.restore()
+
+
 def test_attention_benchmark_script_runs_on_cpu():
     # a smoke test of the benchmark's code path; it times nothing that is asserted
     import subprocess
