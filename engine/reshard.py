@@ -8,13 +8,13 @@ them expect a resume on fewer or more GPUs to work.
 So each checkpoint records its layout (world size, the ZeRO stage that really ran: engine/ds_config.py runs
 ZeRO-3 on one rank as ZeRO-2). At resume:
 - same layout: DeepSpeed loads it as saved;
-- ZeRO-3 on both sides, another world size: rank 0 converts the checkpoint with DeepSpeed's own
-  `ds_to_universal` (per-parameter fp32 weights and Adam moments, no partitioning) into
-  checkpoints/universal/<tag>, every rank loads that with `checkpoint.load_universal`, `finish_reshard` repairs
-  what the loader leaves wrong, and the copy is deleted.
-  Exact: the trajectory continues as the uninterrupted run's (tests/test_engine.py);
-- anything else (a ZeRO-2 side: DeepSpeed 0.19.8's universal format did not load into ZeRO-2 when tried; or
-  `trainer.reshard_on_resume=false`): refused before the model is built, with the fix.
+- another world size, this run on ZeRO-3 (the checkpoint on ZeRO-3, or on ZeRO-2, e.g. a 1-rank run): rank 0
+  converts the checkpoint with DeepSpeed's own `ds_to_universal` (per-parameter fp32 weights and Adam moments,
+  no partitioning) into checkpoints/universal/<tag>, every rank loads that with `checkpoint.load_universal`,
+  `finish_reshard` repairs what the loader leaves wrong, and the copy is deleted. Exact: the trajectory
+  continues as the uninterrupted run's (tests/test_engine.py: 2 -> 4 and 1 -> 2 ranks);
+- this run on ZeRO-2 (one rank, or deepspeed=zero2), or `trainer.reshard_on_resume=false`: refused before the
+  model is built, with the fix (DeepSpeed 0.19.8's universal format did not load into ZeRO-2 when tried).
 `parallelism.cp` is not part of the layout: at the same world size, ZeRO partitions over the same ranks.
 """
 from __future__ import annotations
@@ -40,6 +40,10 @@ def optimizer_layout(world_size: int, zero_stage: int) -> dict:
     return {"world_size": world_size, "zero_stage": zero_stage}
 
 
+def saved_zero_stage(out_dir: Path, tag: str) -> int:
+    return json.loads((ckpt_root(out_dir) / tag / LAYOUT_FILE).read_text())["zero_stage"]
+
+
 def needs_reshard(out_dir: Path, tag: str, layout: dict, allowed: bool) -> bool:
     """Whether checkpoint `tag` must be converted before this run's ranks can load it; raises when it cannot be.
     A checkpoint written before layouts were recorded is loaded as saved (DeepSpeed then judges)."""
@@ -49,11 +53,11 @@ def needs_reshard(out_dir: Path, tag: str, layout: dict, allowed: bool) -> bool:
     saved = json.loads((path / LAYOUT_FILE).read_text())
     if saved == layout:
         return False
-    if allowed and saved["zero_stage"] == 3 and layout["zero_stage"] == 3:
+    if allowed and saved["zero_stage"] in (2, 3) and layout["zero_stage"] == 3:
         return True
     why = ("trainer.reshard_on_resume=false" if not allowed else
-           "only ZeRO-3 state loaded into ZeRO-3 is re-partitioned here (DeepSpeed's universal format did not load "
-           "into ZeRO-2 in our tests)")
+           "a checkpoint is re-partitioned only into ZeRO-3 (DeepSpeed's universal format did not load into ZeRO-2 "
+           "in our tests)")
     raise RuntimeError(
         f"checkpoint {path} holds ZeRO-{saved['zero_stage']} optimizer state partitioned over "
         f"{saved['world_size']} rank(s); this run has {layout['world_size']} rank(s) at ZeRO-{layout['zero_stage']}, "
@@ -63,7 +67,7 @@ def needs_reshard(out_dir: Path, tag: str, layout: dict, allowed: bool) -> bool:
         "model.path=<that export>. Note: deepspeed.zero_stage=3 on one rank runs as ZeRO-2 (engine/ds_config.py)")
 
 
-def to_universal(out_dir: Path, tag: str, rank: int) -> Path:
+def to_universal(out_dir: Path, tag: str, rank: int, saved_stage: int) -> Path:
     """Rank 0 converts checkpoints/<tag> into checkpoints/universal/<tag>; every rank gets the root to load
     from, or the conversion's error."""
     root = ckpt_root(out_dir) / UNIVERSAL
@@ -71,16 +75,35 @@ def to_universal(out_dir: Path, tag: str, rank: int) -> Path:
     if rank == 0:
         shutil.rmtree(root, ignore_errors=True)  # a conversion a crash cut short
         log.info("re-partitioning checkpoint %s for this run's ranks (DeepSpeed ds_to_universal)", tag)
-        done = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
-                               "--input_folder", str(ckpt_root(out_dir) / tag), "--output_folder", str(root / tag)],
-                              capture_output=True, text=True)
+        src, dst = ckpt_root(out_dir) / tag, root / tag
+        # a ZeRO-2 checkpoint lacks the Megatron-style metadata ds_to_universal asks of it; it injects a default
+        extra = ["--inject_missing_state"] if saved_stage == 2 else []
+        done = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                               str(src), "--output_folder", str(dst)] + extra, capture_output=True, text=True)
         if done.returncode != 0:
-            error = f"ds_to_universal failed on {ckpt_root(out_dir) / tag}:\n{done.stdout[-2000:]}{done.stderr[-4000:]}"
+            error = f"ds_to_universal failed on {src}:\n{done.stdout[-2000:]}{done.stderr[-4000:]}"
+        elif saved_stage == 2:
+            _zero2_universal_for_zero3(src, dst)
     message = [error]
     dist.broadcast_object_list(message, src=0)  # every rank raises, not only rank 0
     if message[0] is not None:
         raise RuntimeError(message[0])
     return root
+
+
+def _zero2_universal_for_zero3(src: Path, dst: Path) -> None:
+    """DeepSpeed 0.19.8 converts ZeRO-2 and ZeRO-3 checkpoints to universal folders that differ in two places
+    its ZeRO-3 loader reads (the per-parameter fp32/exp_avg/exp_avg_sq files are the same): the common optimizer
+    state lacks the torch optimizer's state dict (the step, the param groups), and the model-state file has its
+    ZeRO-2 name. Both are filled in from the ZeRO-2 checkpoint."""
+    optim = torch.load(src / "zero_pp_rank_0_mp_rank_00_optim_states.pt", map_location="cpu", weights_only=False)
+    base = optim["optimizer_state_dict"]["base_optimizer_state"]
+    common_path = dst / "zero" / "optimizer_state.pt"
+    common = torch.load(common_path, map_location="cpu", weights_only=False)
+    common["optimizer_state_dict"] = {"state": {0: {"step": base["state"][0]["step"]}},
+                                      "param_groups": base["param_groups"]}
+    torch.save(common, common_path)
+    shutil.copy(dst / "mp_rank_00_model_states.pt", dst / "zero_pp_rank_0_mp_rank_00_model_states.pt")
 
 
 def finish_reshard(engine, out_dir: Path, rank: int) -> None:

@@ -32,7 +32,7 @@ from .oom import oom_advice
 from .plot import plot_loss
 from .preemption import Preemption
 from .profile import maybe_profile
-from .reshard import finish_reshard, needs_reshard, optimizer_layout, to_universal
+from .reshard import finish_reshard, needs_reshard, optimizer_layout, saved_zero_stage, to_universal
 from .step import train_step
 from .tracking import Tracker
 
@@ -66,7 +66,7 @@ def train(cfg: TrainConfig, plan: Plan, rt: Runtime) -> dict:
     if tag is not None:
         checkpoint.check_resume(out_dir, tag, fingerprint)
         if needs_reshard(out_dir, tag, layout, cfg.trainer.reshard_on_resume):
-            load_root = to_universal(out_dir, tag, rt.rank)
+            load_root = to_universal(out_dir, tag, rt.rank, saved_zero_stage(out_dir, tag))
     reshard = load_root is not None
 
     # --- model and engine; what offload will ask of the host is said first (a host OOM kills without an error)

@@ -114,6 +114,7 @@ def test_resume_on_other_ranks_is_exact_or_refused_before_the_build(tmp_path):
     extra = ["parallelism.cp=2", "trainer.save_every=2", "trainer.stop_after_steps=2"]
     for name in ("moved", "grown", "shrunk"):
         train(tmp_path, name, 2, extra)
+    train(tmp_path, "from_one", 1, ["parallelism.cp=1", "trainer.save_every=2", "trainer.stop_after_steps=2"])
     # the same 2 ranks at cp=1 x dp=2: DeepSpeed's state loads as saved, and the math does not depend on the layout
     moved = train(tmp_path, "moved", 2, ["parallelism.cp=1"])
     assert_same_trajectory(moved, ref, "resumed at cp=1")
@@ -123,6 +124,8 @@ def test_resume_on_other_ranks_is_exact_or_refused_before_the_build(tmp_path):
     root = tmp_path / "grown" / "checkpoints"
     assert not (root / "universal").exists()  # the converted copy is deleted once loaded
     assert json.loads((root / "step_00000005" / "optimizer_layout.json").read_text())["world_size"] == 4
+    # a 1-rank run (ZeRO-2) onto 2 ranks (ZeRO-3): the same, through a ZeRO-2 -> ZeRO-3 universal folder
+    assert_same_trajectory(train(tmp_path, "from_one", 2, ["parallelism.cp=2"]), ref, "resumed from 1 rank on 2")
     # 1 rank runs ZeRO-2, which DeepSpeed's universal format does not load into: refused, before the build
     with pytest.raises(Exception, match=r"partitioned over 2 rank\(s\); this run has 1 rank\(s\) at ZeRO-2"):
         train(tmp_path, "shrunk", 1, ["parallelism.cp=1"])

@@ -156,11 +156,13 @@ def test_resume_reshards_zero3_state_only_and_only_when_allowed(tmp_path):
     assert not needs_reshard(tmp_path, tag.name, optimizer_layout(4, 3), allowed=True)
     assert needs_reshard(tmp_path, tag.name, optimizer_layout(2, 3), allowed=True)
     refusals = {"trainer.reshard_on_resume=false": (optimizer_layout(2, 3), False),
-                "only ZeRO-3 state loaded into ZeRO-3": (optimizer_layout(1, 2), True)}
+                "re-partitioned only into ZeRO-3": (optimizer_layout(1, 2), True)}
     for why, (layout, allowed) in refusals.items():
         with pytest.raises(RuntimeError, match=r"ZeRO-3 optimizer state partitioned over 4 rank\(s\)") as err:
             needs_reshard(tmp_path, tag.name, layout, allowed)
         assert why in str(err.value) and "scripts/export_hf.py" in str(err.value)
+    (tag / checkpoint.LAYOUT_FILE).write_text(json.dumps(optimizer_layout(world_size=1, zero_stage=2)))
+    assert needs_reshard(tmp_path, tag.name, optimizer_layout(2, 3), allowed=True)  # a 1-rank run, onto ZeRO-3
 
 
 def test_adam_steps_move_to_their_parameters_device():
