@@ -14,7 +14,8 @@ ZeRO-3 on one rank as ZeRO-2). At resume:
   `finish_reshard` repairs what the loader leaves wrong, and the copy is deleted. Exact: the trajectory
   continues as the uninterrupted run's (tests/test_engine.py: 2 -> 4 and 1 -> 2 ranks);
 - this run on ZeRO-2 (one rank, or deepspeed=zero2), or `trainer.reshard_on_resume=false`: refused before the
-  model is built, with the fix (DeepSpeed 0.19.8's universal format did not load into ZeRO-2 when tried).
+  model is built, with the fix (DeepSpeed 0.19.8's universal format did not load into ZeRO-2 when tried). One
+  rank with deepspeed.offload_param=true runs ZeRO-3 and so can take a re-partitioned checkpoint.
 `parallelism.cp` is not part of the layout: at the same world size, ZeRO partitions over the same ranks.
 """
 from __future__ import annotations
@@ -64,7 +65,8 @@ def needs_reshard(out_dir: Path, tag: str, layout: dict, allowed: bool) -> bool:
         f"and {why}. Resume on {saved['world_size']} rank(s) with the same deepspeed preset (parallelism.cp may "
         "change: the trajectory stays exact), or start a new run.out_dir from the weights alone (the optimizer "
         f"state starts fresh): `python scripts/export_hf.py {out_dir} --tag {tag}`, then model.source=pretrained "
-        "model.path=<that export>. Note: deepspeed.zero_stage=3 on one rank runs as ZeRO-2 (engine/ds_config.py)")
+        "model.path=<that export>. Note: deepspeed.zero_stage=3 on one rank runs as ZeRO-2 (engine/ds_config.py); "
+        "deepspeed.offload_param=true keeps one rank on ZeRO-3, which this checkpoint can be re-partitioned into")
 
 
 def to_universal(out_dir: Path, tag: str, rank: int, saved_stage: int) -> Path:

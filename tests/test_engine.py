@@ -129,6 +129,9 @@ def test_resume_on_other_ranks_is_exact_or_refused_before_the_build(tmp_path):
     # 1 rank runs ZeRO-2, which DeepSpeed's universal format does not load into: refused, before the build
     with pytest.raises(Exception, match=r"partitioned over 2 rank\(s\); this run has 1 rank\(s\) at ZeRO-2"):
         train(tmp_path, "shrunk", 1, ["parallelism.cp=1"])
+    # the fix the refusal names: one rank with its parameters offloaded stays on ZeRO-3
+    shrunk = train(tmp_path, "shrunk", 1, ["parallelism.cp=1", "deepspeed.offload_param=true"])
+    assert_same_trajectory(shrunk, ref, "resumed on 1 rank, ZeRO-3 with offloaded parameters")
 
 
 def test_timed_checkpoints_are_taken_by_every_rank_after_the_same_steps(tmp_path):
