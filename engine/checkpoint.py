@@ -28,6 +28,10 @@ log = logging.getLogger(__name__)
 LAYOUT_FILE = "optimizer_layout.json"  # what the saved ZeRO state is partitioned for (engine/reshard.py)
 
 
+def tag_of(step: int) -> str:
+    return f"step_{step:08d}"  # zero-padded, so tags sort by step (prune relies on it)
+
+
 def ckpt_root(out_dir: Path) -> Path:
     return out_dir / "checkpoints"
 
@@ -80,7 +84,7 @@ def check_resume_compatible(saved: dict, current: dict) -> None:
 def save(engine, out_dir: Path, step: int, rank: int, fingerprint: dict | None = None, keep: int = 0,
          layout: dict | None = None) -> str:
     """`layout`: engine/reshard.py's optimizer_layout, which a resume on other ranks is checked against."""
-    tag = f"step_{step:08d}"
+    tag = tag_of(step)
     root = ckpt_root(out_dir)
     engine.save_checkpoint(str(root), tag=tag, client_state={"step": step}, save_latest=False)
     rng = {"torch": torch.get_rng_state(), "python": random.getstate(),

@@ -11,7 +11,6 @@ import contextlib
 import json
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from configs import to_dataclass

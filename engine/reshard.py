@@ -41,21 +41,18 @@ def optimizer_layout(world_size: int, zero_stage: int) -> dict:
     return {"world_size": world_size, "zero_stage": zero_stage}
 
 
-def saved_zero_stage(out_dir: Path, tag: str) -> int:
-    return json.loads((ckpt_root(out_dir) / tag / LAYOUT_FILE).read_text())["zero_stage"]
-
-
-def needs_reshard(out_dir: Path, tag: str, layout: dict, allowed: bool) -> bool:
-    """Whether checkpoint `tag` must be converted before this run's ranks can load it; raises when it cannot be.
-    A checkpoint written before layouts were recorded is loaded as saved (DeepSpeed then judges)."""
+def needs_reshard(out_dir: Path, tag: str, layout: dict, allowed: bool) -> dict | None:
+    """The saved layout of checkpoint `tag` when it must be converted before this run's ranks can load it, else
+    None; raises when it cannot be. A checkpoint written before layouts were recorded is loaded as saved
+    (DeepSpeed then judges)."""
     path = ckpt_root(out_dir) / tag
     if not (path / LAYOUT_FILE).exists():
-        return False
+        return None
     saved = json.loads((path / LAYOUT_FILE).read_text())
     if saved == layout:
-        return False
+        return None
     if allowed and saved["zero_stage"] in (2, 3) and layout["zero_stage"] == 3:
-        return True
+        return saved
     why = ("trainer.reshard_on_resume=false" if not allowed else
            "a checkpoint is re-partitioned only into ZeRO-3 (DeepSpeed's universal format did not load into ZeRO-2 "
            "in our tests)")

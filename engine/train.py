@@ -32,7 +32,7 @@ from .oom import oom_advice
 from .plot import plot_loss
 from .preemption import Preemption
 from .profile import maybe_profile
-from .reshard import finish_reshard, needs_reshard, optimizer_layout, saved_zero_stage, to_universal
+from .reshard import finish_reshard, needs_reshard, optimizer_layout, to_universal
 from .step import train_step
 from .tracking import Tracker
 
@@ -65,8 +65,9 @@ def train(cfg: TrainConfig, plan: Plan, rt: Runtime) -> dict:
     load_root = None  # checkpoints/, unless a checkpoint of other ranks is re-partitioned first (a copy)
     if tag is not None:
         checkpoint.check_resume(out_dir, tag, fingerprint)
-        if needs_reshard(out_dir, tag, layout, cfg.trainer.reshard_on_resume):
-            load_root = to_universal(out_dir, tag, rt.rank, saved_zero_stage(out_dir, tag))
+        saved_layout = needs_reshard(out_dir, tag, layout, cfg.trainer.reshard_on_resume)
+        if saved_layout is not None:
+            load_root = to_universal(out_dir, tag, rt.rank, saved_layout["zero_stage"])
     reshard = load_root is not None
 
     # --- model and engine; what offload will ask of the host is said first (a host OOM kills without an error)
@@ -136,7 +137,7 @@ def train(cfg: TrainConfig, plan: Plan, rt: Runtime) -> dict:
             if save_due or (cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0):
                 save(step + 1)
             if step + 1 < stop and stop_now:
-                if checkpoint.latest_tag(out_dir) != f"step_{step + 1:08d}":
+                if checkpoint.latest_tag(out_dir) != checkpoint.tag_of(step + 1):
                     save(step + 1)
                 return {"preempted_at": step + 1}
     finally:
@@ -148,7 +149,7 @@ def train(cfg: TrainConfig, plan: Plan, rt: Runtime) -> dict:
 
     # --- end of run: checkpoint, HF export, loss plot
     outputs = {"metrics": str(out_dir / "metrics.jsonl")}
-    if cfg.trainer.save_at_end and checkpoint.latest_tag(out_dir) != f"step_{stop:08d}":
+    if cfg.trainer.save_at_end and checkpoint.latest_tag(out_dir) != checkpoint.tag_of(stop):
         save(stop)
     if cfg.trainer.export_hf:
         outputs["hf_export"] = str(export_hf(engine, hf, out_dir / "hf_export", rt.rank, tokenizer))

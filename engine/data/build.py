@@ -15,7 +15,7 @@ from .errors import DataError
 from .jsonl import load_jsonl
 from .stats import DataStats
 from .synthetic import SyntheticDataset
-from .tokenizer import DEMO_CORPUS, DEMO_TOKENIZER, check_tokenizer_fits, load_tokenizer
+from .tokenizer import DEMO_CORPUS, DEMO_TOKENIZER, check_tokenizer_fits, tokenizer_of
 
 _CHOICES = {
     "source": ("synthetic", "jsonl", "demo"),
@@ -45,7 +45,7 @@ def build_dataset(cfg: Any, *, seed: int, vocab_size: int) -> tuple[Sequence[dic
 
     if cfg.source == "demo":
         _check_demo_fields(cfg)
-        tokenizer = load_tokenizer(DEMO_TOKENIZER)
+        tokenizer = tokenizer_of(cfg)
         check_tokenizer_fits(tokenizer, vocab_size, "shipped demo")
         path = DEMO_CORPUS
     else:
@@ -56,7 +56,7 @@ def build_dataset(cfg: Any, *, seed: int, vocab_size: int) -> tuple[Sequence[dic
                 "data.source=jsonl needs data.tokenizer_path (a local tokenizer directory, or a hub id already "
                 "in the Hugging Face cache)"
             )
-        tokenizer = load_tokenizer(cfg.tokenizer_path)
+        tokenizer = tokenizer_of(cfg)
         path = cfg.path
     samples, stats = load_jsonl(
         path,
