@@ -4,6 +4,7 @@ from dataclasses import dataclass
 
 NONFINITE_POLICIES = ("abort", "skip")
 LR_DECAYS = ("cosine", "linear", "constant")
+CORRUPT_CHECKPOINT_POLICIES = ("fallback", "abort")
 
 
 @dataclass
@@ -42,6 +43,10 @@ class TrainerConfig:
     # after each save, delete all but the newest N checkpoints (the one `latest` names among them); 0 = keep all
     keep_checkpoints: int = 0
     resume: bool = True  # resume from out_dir's latest checkpoint if there is one
+    # `latest` fails its manifest check (a file cut short or changed). fallback: resume from the newest older
+    # checkpoint that verifies, with a warning (exact: the steps since are computed again, identically; an
+    # unattended, requeued job keeps going). abort: stop with an error naming the files
+    on_corrupt_checkpoint: str = "fallback"
     # a ZeRO-3 checkpoint written by another number of ranks: re-partition it (DeepSpeed's universal checkpoint,
     # a temporary copy of the fp32 weights and Adam moments) and continue exactly; false: refuse (engine/reshard.py)
     reshard_on_resume: bool = True

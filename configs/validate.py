@@ -16,7 +16,7 @@ from configs.memory import RECOMPUTE_METHODS, RECOMPUTE_POLICIES, MemoryConfig
 from configs.model import ATTN_BACKENDS, MODEL_SOURCES, MOE_FAMILIES, SUPPORTED_FAMILIES, ModelConfig
 from configs.parallel import MASTER_WEIGHTS
 from configs.train import DEVICES, PRECISIONS, TrainConfig
-from configs.trainer import LR_DECAYS, NONFINITE_POLICIES, TrainerConfig
+from configs.trainer import CORRUPT_CHECKPOINT_POLICIES, LR_DECAYS, NONFINITE_POLICIES, TrainerConfig
 
 ZERO_STAGES = (2, 3)  # the stages whose gradient reduction over cp is verified exact (DESIGN 3.1)
 LATENT_ALIGN = 512  # a LatentMoE latent size must be a multiple of this
@@ -198,6 +198,7 @@ def _check_trainer(t: TrainerConfig) -> None:
     _require(0.0 <= t.min_lr_ratio <= 1.0, f"trainer.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
     _require(t.grad_clip >= 0, f"trainer.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping)")
     _one_of("trainer.on_nonfinite", t.on_nonfinite, NONFINITE_POLICIES)
+    _one_of("trainer.on_corrupt_checkpoint", t.on_corrupt_checkpoint, CORRUPT_CHECKPOINT_POLICIES)
     _one_of("trainer.lr_decay", t.lr_decay, LR_DECAYS)
     _require(t.gc_every >= 0, f"trainer.gc_every={t.gc_every} must be >= 0 (0 = never collect manually)")
     _require(t.eval_every >= 0, f"trainer.eval_every={t.eval_every} must be >= 0 (0 = never evaluate)")

@@ -8,12 +8,19 @@ complete checkpoints (a 1B model's ZeRO state with fp32 masters is ~20 GB, an 8B
 with save_every would otherwise fill its disk and die in a save). Like `latest`, this assumes out_dir is on
 one filesystem that all ranks share. The data order is a pure function of (seed, step) (engine/data/sampler.py), so
 the step number, DeepSpeed's optimizer/scheduler state and the RNG states are all a resume needs.
+
+Before `latest` moves, the ranks write the checkpoint's manifest (engine/manifest.py: each file's size and
+SHA-256). A resume verifies it before reading anything else; a damaged checkpoint stops the run naming the
+file (trainer.on_corrupt_checkpoint=abort) or the run resumes from the newest older checkpoint that verifies
+(fallback). Either way every rank takes the same branch, from the verdicts of all of them. Going back is exact
+for the same reason a resume is: the steps since that checkpoint are computed again, identically.
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
+import pickle
 import random
 import shutil
 from pathlib import Path
@@ -22,10 +29,18 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from . import manifest
+
 log = logging.getLogger(__name__)
 
 
 LAYOUT_FILE = "optimizer_layout.json"  # what the saved ZeRO state is partitioned for (engine/reshard.py)
+_FIX = ("restore the checkpoint from a copy, point checkpoints/latest at an older tag, or start over with "
+        "trainer.resume=false or a new run.out_dir")
+
+
+class DamagedCheckpoint(RuntimeError):
+    """A checkpoint file that is missing, cut short, or holds other bytes than were written."""
 
 
 def tag_of(step: int) -> str:
@@ -95,6 +110,7 @@ def save(engine, out_dir: Path, step: int, rank: int, fingerprint: dict | None =
     if rank == 0 and layout is not None:
         (root / tag / LAYOUT_FILE).write_text(json.dumps(layout, sort_keys=True))
     dist.barrier()
+    manifest.write(root / tag, rank)  # before `latest` moves: a checkpoint named there always has one
     if rank == 0:
         tmp = root / "latest.tmp"
         tmp.write_text(tag + "\n")
@@ -123,11 +139,75 @@ def prune(out_dir: Path, keep: int) -> list[str]:
     return doomed
 
 
+def read_json(path: Path):
+    """A checkpoint's JSON file, or an error naming it (a checkpoint without a manifest is read unverified)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise DamagedCheckpoint(f"checkpoint file {path} cannot be read ({type(err).__name__}: {err}); "
+                                f"{_FIX}") from err
+
+
+def resume_tag(out_dir: Path, rank: int, policy: str) -> Optional[str]:
+    """The checkpoint to resume from, verified; None when there is none. Every rank must call it together.
+
+    `latest` when it verifies (or has no manifest: written before manifests existed, accepted with a log
+    line). Damaged: policy abort raises naming the files; fallback returns the newest older one that
+    verifies, with a warning, or raises when none does."""
+    tag = latest_tag(out_dir)
+    if tag is None:
+        return None
+    root = ckpt_root(out_dir)
+    problems = _verdict(root, tag, rank)
+    if not problems:
+        return tag
+    older = sorted((p.name for p in root.glob("step_*") if p.is_dir() and p.name < tag), reverse=True)
+    damage = f"checkpoint {root / tag} (named by checkpoints/latest) is damaged: " + "; ".join(problems)
+    if policy == "abort":
+        back = f" (the next older one is {older[0]})" if older else " (there is no older one)"
+        raise DamagedCheckpoint(
+            f"{damage}. trainer.on_corrupt_checkpoint=abort stops here. trainer.on_corrupt_checkpoint=fallback "
+            f"resumes from the newest older checkpoint that verifies{back} and computes the steps since again "
+            f"(the same trajectory); or {_FIX}")
+    for candidate in older:
+        bad = _verdict(root, candidate, rank)
+        if not bad:
+            if rank == 0:
+                log.warning("%s. trainer.on_corrupt_checkpoint=fallback: resuming from %s instead; the steps after "
+                            "it are computed again (the same trajectory)", damage, candidate)
+            return candidate
+        damage += f"; the older {candidate} is damaged too: " + "; ".join(bad)
+    raise DamagedCheckpoint(f"{damage}. trainer.on_corrupt_checkpoint=fallback found no older checkpoint that "
+                            f"verifies; {_FIX}")
+
+
+def _verdict(root: Path, tag: str, rank: int) -> list[str]:
+    if not (root / tag).is_dir():
+        return [f"its folder {root / tag} does not exist"]
+    problems = manifest.verify(root / tag, rank)
+    if problems is None:
+        if rank == 0:
+            log.info("checkpoint %s has no %s (written before manifests existed): loaded unverified",
+                     tag, manifest.MANIFEST)
+        return []
+    return problems
+
+
+def _read(folder: Path, rank: int, path, load, *args, **kwargs):
+    """load(path, ...), or an error naming the checkpoint and the file. Verification makes this rare: a
+    checkpoint without a manifest, or a file that changed after it was verified."""
+    try:
+        return load(path, *args, **kwargs)
+    except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as err:
+        raise DamagedCheckpoint(f"checkpoint {folder}: reading {path} failed on rank {rank} "
+                                f"({type(err).__name__}: {err}); {_FIX}") from err
+
+
 def check_resume(out_dir: Path, tag: str, fingerprint: dict) -> None:
     """Refuse, before any model is built, to resume a checkpoint written with other settings."""
     saved = ckpt_root(out_dir) / tag / "resume_fingerprint.json"
     if saved.exists():
-        check_resume_compatible(json.loads(saved.read_text()), json.loads(json.dumps(fingerprint)))
+        check_resume_compatible(read_json(saved), json.loads(json.dumps(fingerprint)))
 
 
 def load(engine, out_dir: Path, tag: str, rank: int, load_root: Path | None = None) -> int:
@@ -137,13 +217,21 @@ def load(engine, out_dir: Path, tag: str, rank: int, load_root: Path | None = No
     a copy has no RNG states for the new ranks; they keep their own, which only dropout would read (the data
     order is a function of the step)."""
     root = load_root or ckpt_root(out_dir)
-    path, client = engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True,
-                                          load_lr_scheduler_states=True)
+    store = engine.checkpoint_engine  # every file DeepSpeed reads goes through its load
+    real_load = store.load
+    store.load = lambda path, *args, **kwargs: _read(root / tag, rank, path, real_load, *args, **kwargs)
+    try:
+        path, client = engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True,
+                                              load_lr_scheduler_states=True)
+    finally:
+        del store.load  # the class's own method again
     if path is None:
         raise RuntimeError(f"checkpoint {root / tag} named by 'latest' could not be loaded")
     rng_file = root / tag / f"rng_rank{rank}.pt"
+    rng = None
     if load_root is None or rng_file.exists():
-        rng = torch.load(rng_file, weights_only=False)
+        rng = _read(root / tag, rank, rng_file, torch.load, weights_only=False)
+    if rng is not None:
         torch.set_rng_state(rng["torch"])
         random.setstate(rng["python"])
         if rng["cuda"] is not None and torch.cuda.is_available():

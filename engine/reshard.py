@@ -20,7 +20,6 @@ ZeRO-3 on one rank as ZeRO-2). At resume:
 """
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import subprocess
@@ -30,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .checkpoint import LAYOUT_FILE, ckpt_root
+from .checkpoint import LAYOUT_FILE, ckpt_root, read_json
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +47,7 @@ def needs_reshard(out_dir: Path, tag: str, layout: dict, allowed: bool) -> dict 
     path = ckpt_root(out_dir) / tag
     if not (path / LAYOUT_FILE).exists():
         return None
-    saved = json.loads((path / LAYOUT_FILE).read_text())
+    saved = read_json(path / LAYOUT_FILE)
     if saved == layout:
         return None
     if allowed and saved["zero_stage"] in (2, 3) and layout["zero_stage"] == 3:
