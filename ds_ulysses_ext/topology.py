@@ -6,6 +6,13 @@ data-parallel (DP) group of a rank holds the ranks with the same CP index in the
 
     world = 8, cp = 4:  CP groups {0,1,2,3} {4,5,6,7};  DP groups {0,4} {1,5} {2,6} {3,7}
 
+Expert-parallel (EP) groups are runs of `ep_size` consecutive ranks folded onto the same world (they do not
+change dp = world / cp): each holds every MoE layer's experts once, E / ep per rank. The expert-data-parallel
+(EDP) group of a rank holds the ranks with the same EP index, i.e. the replicas of this rank's expert shard,
+which sync its gradients.
+
+    world = 8, ep = 4:  EP groups {0,1,2,3} {4,5,6,7};  EDP groups {0,4} {1,5} {2,6} {3,7}
+
 The object is built once after `torch.distributed` is initialised and passed explicitly; nothing is
 stored in module globals, so two topologies can coexist in one process (tests do this).
 
@@ -79,6 +86,7 @@ class Topology(_DeepSpeedMpuMethods):
     dp_group: Optional[object] = field(default=None, repr=False)
     cp_dp_group: Optional[object] = field(default=None, repr=False)  # all ranks (dp x cp)
     ep_group: Optional[object] = field(default=None, repr=False)
+    edp_group: Optional[object] = field(default=None, repr=False)  # same EP index: replicas of one expert shard
 
     @property
     def cp_rank(self) -> int:
@@ -91,6 +99,14 @@ class Topology(_DeepSpeedMpuMethods):
     @property
     def cp_enabled(self) -> bool:
         return self.cp_size > 1
+
+    @property
+    def ep_rank(self) -> int:
+        return self.rank % self.ep_size
+
+    @property
+    def edp_size(self) -> int:
+        return self.world_size // self.ep_size
 
     def cp_ranks(self) -> list[int]:
         """Global ranks of this rank's CP group (consecutive)."""
@@ -110,6 +126,11 @@ def dp_group_ranks(world_size: int, cp_size: int) -> list[list[int]]:
 def ep_group_ranks(world_size: int, ep_size: int) -> list[list[int]]:
     """EP groups as rank lists: runs of consecutive ranks (experts stay node-local when possible)."""
     return [list(range(start, start + ep_size)) for start in range(0, world_size, ep_size)]
+
+
+def edp_group_ranks(world_size: int, ep_size: int) -> list[list[int]]:
+    """EDP groups as rank lists: same EP index across EP groups (the replicas of one expert shard)."""
+    return dp_group_ranks(world_size, ep_size)
 
 
 def check_degrees(world_size: int, cp_size: int, ep_size: int = 1) -> None:
@@ -152,6 +173,7 @@ def init_topology(cp_size: int, ep_size: int = 1) -> Topology:
     cp_group = mine(cp_group_ranks(world_size, cp_size))
     dp_group = mine(dp_group_ranks(world_size, cp_size))
     ep_group = mine(ep_group_ranks(world_size, ep_size))
+    edp_group = mine(edp_group_ranks(world_size, ep_size))
     return Topology(world_size=world_size, rank=rank, cp_size=cp_size, dp_size=world_size // cp_size,
                     ep_size=ep_size, cp_group=cp_group, dp_group=dp_group,
-                    cp_dp_group=dist.group.WORLD, ep_group=ep_group)
+                    cp_dp_group=dist.group.WORLD, ep_group=ep_group, edp_group=edp_group)

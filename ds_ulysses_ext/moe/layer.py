@@ -1,0 +1,166 @@
+"""MoEBlock: router -> (latent down-projection) -> dispatch -> local experts -> combine -> (up-projection)
+-> + shared experts. One block replaces one HF sparse-MoE block, with HF's parameter names.
+
+Legend: B batch, s local sequence (a CP chunk), H hidden, L latent size (LatentMoE; L = H otherwise), T = B*s.
+
+    hidden [B, s, H] -> gate (router on the full hidden state) -> fc1_latent_proj [H -> L] -> dispatch over EP
+    -> experts in L -> combine (fp32, weighted) -> fc2_latent_proj [L -> H] -> + shared_experts(hidden)
+
+Parameter names follow HF's Qwen3-MoE (`gate.weight`, `experts.gate_up_proj`, `experts.down_proj`), so an HF
+checkpoint's state dict loads as is and the export writes HF's layout. LatentMoE's projections follow
+Megatron-Core's names (`fc1_latent_proj`, `fc2_latent_proj`); its shared expert is `shared_experts`.
+
+The block holds E / ep experts after `shard(ep_rank, ep)`. What it needs at run time (the EP dispatcher, the CP
+group for the balance statistics, the token mask of the current batch, the collector) is one `MoEContext`
+object per model, attached by `enable_expert_parallel`: no module globals.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .balance import sequence_balance_terms
+from .experts import GroupedExperts
+from .router import TopKRouter
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """The shape of one MoE block (from the model's config)."""
+    hidden_size: int
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # per expert
+    score: str = "softmax"
+    norm_topk_prob: bool = True
+    latent_size: int = 0  # 0: experts work on the hidden state
+    shared_intermediate_size: int = 0  # 0: no shared expert
+    expert_bias: bool = False  # aux-loss-free balancing buffer
+
+    @property
+    def expert_dim(self) -> int:
+        return self.latent_size or self.hidden_size
+
+
+class SwiGLU(torch.nn.Module):
+    """The shared expert: a dense SwiGLU MLP on the full hidden state (HF's gate_proj/up_proj/down_proj names)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = torch.nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = torch.nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = torch.nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+@dataclass
+class MoEContext:
+    """Run-time state shared by a model's MoE blocks: dispatcher, groups, the batch's token mask, collectors."""
+    dispatcher: object
+    cp_group: Optional[object] = None
+    balance: str = "aux"  # aux | bias | none
+    token_mask_Bs: Optional[torch.Tensor] = None  # 1 real token, 0 padding; None: every position is real
+    _terms: Optional[list] = None  # open between begin() and end(): a recompute in backward adds nothing
+    counts: dict = field(default_factory=dict)  # layer id -> routed slots per expert, summed over the step
+    aux_sum: float = 0.0  # sum of this rank's detached balance terms over the step (for the metric)
+
+    def begin(self, token_mask_Bs: Optional[torch.Tensor]) -> None:
+        self.token_mask_Bs = token_mask_Bs
+        self._terms = []
+
+    def end(self) -> Optional[torch.Tensor]:
+        """This forward's balance share (sum over layers of sum_b L_b's local part), or None without MoE/aux."""
+        terms, self._terms = self._terms, None
+        if not terms:
+            return None
+        total = torch.stack(terms).sum()
+        self.aux_sum += float(total.detach())
+        return total
+
+    def record(self, layer_id: int, term: Optional[torch.Tensor], counts_E: torch.Tensor) -> None:
+        if self._terms is None:
+            return
+        if term is not None:
+            self._terms.append(term)
+        prev = self.counts.get(layer_id)
+        self.counts[layer_id] = counts_E.double() if prev is None else prev + counts_E.double()
+
+    @property
+    def collecting(self) -> bool:
+        return self._terms is not None
+
+
+class MoEBlock(torch.nn.Module):
+    def __init__(self, spec: MoESpec, layer_id: int = 0):
+        super().__init__()
+        self.spec, self.layer_id = spec, layer_id
+        self.ep_rank, self.ep_size = 0, 1
+        self.gate = TopKRouter(spec.hidden_size, spec.num_experts, spec.top_k, spec.score, spec.norm_topk_prob,
+                               spec.expert_bias)
+        self.experts = GroupedExperts(spec.num_experts, spec.expert_dim, spec.intermediate_size)
+        if spec.latent_size:
+            self.fc1_latent_proj = torch.nn.Linear(spec.hidden_size, spec.latent_size, bias=False)
+            self.fc2_latent_proj = torch.nn.Linear(spec.latent_size, spec.hidden_size, bias=False)
+        if spec.shared_intermediate_size:
+            self.shared_experts = SwiGLU(spec.hidden_size, spec.shared_intermediate_size)
+        self._ctx = [None]  # a list, so the context is not a submodule nor in the state dict
+
+    @property
+    def context(self) -> Optional[MoEContext]:
+        return self._ctx[0]
+
+    def forward(self, hidden_BsH: torch.Tensor) -> torch.Tensor:
+        B, s, H = hidden_BsH.shape
+        x_TH = hidden_BsH.reshape(B * s, H)
+        weights_Tk, experts_Tk, probs_TE = self.gate(x_TH)
+        ctx = self.context
+        if ctx is None:
+            from .dispatch import AllToAllDispatcher  # the single-process reference: every expert is local
+            if self.ep_size != 1:
+                raise RuntimeError("an expert-sharded MoEBlock needs enable_expert_parallel(model, topology)")
+            dispatcher = AllToAllDispatcher(self.spec.num_experts)
+        else:
+            dispatcher = ctx.dispatcher
+            if ctx.collecting:
+                self._record(ctx, experts_Tk, probs_TE, B, s)
+        x_TD = self.fc1_latent_proj(x_TH) if self.spec.latent_size else x_TH
+        x_ND, handle = dispatcher.dispatch(x_TD, experts_Tk, weights_Tk)
+        y_ND = self.experts(x_ND, handle.local_counts)
+        out_TD = dispatcher.combine(y_ND, handle)
+        out_TH = self.fc2_latent_proj(out_TD) if self.spec.latent_size else out_TD
+        if self.spec.shared_intermediate_size:
+            out_TH = out_TH + self.shared_experts(x_TH)
+        return out_TH.reshape(B, s, H)
+
+    def _record(self, ctx: MoEContext, experts_Tk, probs_TE, B: int, s: int) -> None:
+        mask = ctx.token_mask_Bs
+        if mask is None:
+            mask = torch.ones(B, s, device=probs_TE.device)
+        if tuple(mask.shape) != (B, s):
+            raise RuntimeError(f"MoE token mask has shape {tuple(mask.shape)}, the batch is {(B, s)}")
+        term, counts_E = sequence_balance_terms(experts_Tk, probs_TE, mask.to(probs_TE.device), ctx.cp_group)
+        ctx.record(self.layer_id, term if ctx.balance == "aux" else None, counts_E)
+
+    @torch.no_grad()
+    def shard(self, ep_rank: int, ep_size: int) -> None:
+        """Keep only experts [ep_rank * El, (ep_rank + 1) * El) as fresh parameters (El = E / ep)."""
+        E = self.spec.num_experts
+        if E % ep_size:
+            raise ValueError(f"{E} experts do not split over ep={ep_size}")
+        El = E // ep_size
+        old = self.experts
+        new = GroupedExperts(El, old.dim, old.intermediate_size, old.recompute, old.group_size, old.offload_inputs)
+        new.to(device=old.gate_up_proj.device, dtype=old.gate_up_proj.dtype)
+        lo = ep_rank * El
+        new.gate_up_proj.copy_(old.gate_up_proj[lo:lo + El])
+        new.down_proj.copy_(old.down_proj[lo:lo + El])
+        self.experts, self.ep_rank, self.ep_size = new, ep_rank, ep_size
+
+
+def moe_blocks(model: torch.nn.Module) -> list[MoEBlock]:
+    return [m for m in model.modules() if isinstance(m, MoEBlock)]
