@@ -313,7 +313,7 @@ def _init_weights_by_stage(rank, world, out):
     from configs import compose_config, validate
     from engine.build import build_hf_model
     from engine.ds_config import to_deepspeed_dict
-    from ds_ulysses_ext.integrate import skip_deepspeed_shm_build
+    from engine.ds_patches import skip_deepspeed_shm_build
     skip_deepspeed_shm_build()
     weights = {}
     for stage in ("zero3", "zero2"):
@@ -366,3 +366,87 @@ def test_out_of_memory_names_the_layout_and_the_leaner_policies(tmp_path):
     assert message.index("memory=except_attention_tiled") < message.index("memory=long_context") \
         < message.index("raise parallelism.cp (now 2")
     assert "Tried to allocate 20.00 GiB" in message  # CUDA's own message stays in the chain
+
+
+def test_manifest_files_are_shared_largest_first_onto_the_least_loaded_rank():
+    from engine.manifest import share
+    sizes = {"a": 10, "b": 7, "c": 5, "d": 1}  # by hand: a->0 (10), b->1 (7), c->1 (12), d->0 (11)
+    assert (share(sizes, 0, 2), share(sizes, 1, 2)) == (["a", "d"], ["b", "c"])
+    assert share(sizes, 0, 1) == ["a", "b", "c", "d"]
+
+
+def _manifest_verdicts(rank, world, folder, out):
+    import torch.distributed as dist
+    from engine import manifest
+    folder = Path(folder)
+    verdicts = {"none": manifest.verify(folder, rank)}  # no manifest yet: written before manifests existed
+    manifest.write(folder, rank)
+    verdicts["intact"] = manifest.verify(folder, rank)
+    for name in ("big.pt", "small.pt"):  # big is rank 0's to hash, small rank 1's: each verdict reaches both
+        dist.barrier()
+        if rank == 0:
+            data = bytearray((folder / name).read_bytes())
+            data[3] ^= 1  # one bit, the same size
+            (folder / name).write_bytes(bytes(data))
+        dist.barrier()
+        verdicts[name] = manifest.verify(folder, rank)
+        dist.barrier()
+        if rank == 0:
+            data[3] ^= 1
+            (folder / name).write_bytes(bytes(data))
+    torch.save(verdicts, Path(out) / f"verdicts{rank}.pt")
+
+
+def test_manifest_verdict_is_every_ranks_and_catches_a_flipped_bit(tmp_path):
+    folder = tmp_path / "step_00000001"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "big.pt").write_bytes(b"b" * 1000)
+    (folder / "small.pt").write_bytes(b"s" * 10)
+    (folder / "sub" / "fingerprint.json").write_text("{}")
+    run_ranks(_manifest_verdicts, 2, str(folder), str(tmp_path))
+    want = {"none": None, "intact": [],
+            "big.pt": ["big.pt: its bytes differ from those written (SHA-256 mismatch, same size)"],
+            "small.pt": ["small.pt: its bytes differ from those written (SHA-256 mismatch, same size)"]}
+    for rank in (0, 1):
+        assert torch.load(tmp_path / f"verdicts{rank}.pt") == want, rank
+    files = json.loads((folder / "manifest.json").read_text())["files"]
+    assert sorted(files) == ["big.pt", "small.pt", "sub/fingerprint.json"]
+    import hashlib  # the recorded digest is the file's plain SHA-256 (what sha256sum prints)
+    assert files["big.pt"] == {"size": 1000, "sha256": hashlib.sha256(b"b" * 1000).hexdigest()}
+
+
+def _resume_tags(rank, world, out_dir, out):
+    out_dir = Path(out_dir)
+    root = checkpoint.ckpt_root(out_dir)
+    from engine import manifest
+    got = {}
+    for step in (2, 4, 6):
+        (root / checkpoint.tag_of(step)).mkdir(parents=True)
+        (root / checkpoint.tag_of(step) / "state.pt").write_bytes(b"x" * 100)
+        manifest.write(root / checkpoint.tag_of(step), rank)
+    (root / "latest").write_text("step_00000006\n")
+    got["intact"] = checkpoint.resume_tag(out_dir, rank, "abort")
+    (root / "step_00000006" / "state.pt").write_bytes(b"x" * 50)
+    (root / "step_00000004" / "state.pt").unlink()
+    got["fallback"] = checkpoint.resume_tag(out_dir, rank, "fallback")  # past step 4, which is damaged too
+    for policy in ("abort", "fallback"):
+        (root / "step_00000002" / "state.pt").write_bytes(b"y" * 100)
+        try:
+            checkpoint.resume_tag(out_dir, rank, policy)
+        except checkpoint.DamagedCheckpoint as err:
+            got[f"{policy} error"] = str(err)
+    torch.save(got, out)
+
+
+def test_resume_tag_falls_back_past_every_damaged_checkpoint_or_stops_naming_them(tmp_path):
+    run_ranks(_resume_tags, 1, str(tmp_path), str(tmp_path / "got.pt"))
+    got = torch.load(tmp_path / "got.pt")
+    assert got["intact"] == "step_00000006"
+    assert got["fallback"] == "step_00000002"
+    assert "step_00000006 (named by checkpoints/latest) is damaged: state.pt: 50 bytes on disk, 100 when written" \
+        in got["abort error"]
+    assert "trainer.on_corrupt_checkpoint=fallback resumes from the newest older checkpoint that verifies (the " \
+           "next older one is step_00000004)" in got["abort error"]
+    assert "the older step_00000004 is damaged too: state.pt: cannot be read" in got["fallback error"]
+    assert "the older step_00000002 is damaged too: state.pt: its bytes differ" in got["fallback error"]
+    assert "found no older checkpoint that verifies; restore the checkpoint from a copy" in got["fallback error"]
