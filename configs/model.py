@@ -3,9 +3,11 @@
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
-# HF `model_type`s whose attention (and MoE layers) we know how to split under cp.
-SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "gpt_oss", "latent_moe")
-MOE_FAMILIES = ("qwen3_moe", "gpt_oss", "latent_moe")
+from ds_ulysses_ext.models import SUPPORTED
+
+# HF `model_type`s the library can split under cp: its registry, so validate and the model build agree.
+SUPPORTED_FAMILIES = tuple(SUPPORTED)
+MOE_FAMILIES = tuple(f.model_type for f in SUPPORTED.values() if f.moe)
 MODEL_SOURCES = ("config", "pretrained")
 ATTN_BACKENDS = ("auto", "sdpa", "flash_attn", "fa4")
 

@@ -17,8 +17,10 @@ from configs.model import ATTN_BACKENDS, MODEL_SOURCES, MOE_FAMILIES, SUPPORTED_
 from configs.parallel import MASTER_WEIGHTS
 from configs.train import DEVICES, PRECISIONS, TrainConfig
 from configs.trainer import CORRUPT_CHECKPOINT_POLICIES, LR_DECAYS, NONFINITE_POLICIES, TrainerConfig
+from ds_ulysses_ext.layout import padded_length, valid_cp_values
+from ds_ulysses_ext.rope import CP_ROPE_TYPES, LENGTH_DEPENDENT_TYPES, depends_on_length, unchecked_rope_types
 
-ZERO_STAGES = (2, 3)  # the stages whose gradient reduction over cp is verified exact (DESIGN 3.1)
+ZERO_STAGES = (2, 3)  # the stages whose gradient reduction over cp is verified exact (docs/design.md)
 LATENT_ALIGN = 512  # a LatentMoE latent size must be a multiple of this
 _EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")  # qwen3_moe / gpt_oss, mixtral / deepseek
 _LATENT_KEYS = ("latent_size", "moe_latent_size")
@@ -45,12 +47,14 @@ def validate(cfg: TrainConfig, world_size: int) -> Plan:
     _check_choices(cfg)
     _check_model(cfg.model)
     _check_data(cfg.data)
-    _check_positions(cfg)
     _check_trainer(cfg.trainer)
+    _check_logging(cfg)
     _check_eval(cfg)
     _check_memory(cfg.memory, cfg.model.arch)
     _check_deepspeed(cfg)
     dp = _check_parallelism(cfg, world_size)
+    _check_positions(cfg)  # after parallelism.cp is known to be valid: the padding depends on it
+    _check_rope(cfg)
     grad_accum = _check_batch(cfg.trainer, dp)
     return Plan(
         world_size=world_size,
@@ -115,9 +119,6 @@ def _check_choices(cfg: TrainConfig) -> None:
     _one_of("memory.recompute_method", cfg.memory.recompute_method, RECOMPUTE_METHODS)
     _one_of("logging.wandb.mode", cfg.logging.wandb.mode, WANDB_MODES)
     _require(cfg.logging.log_every >= 1, f"logging.log_every={cfg.logging.log_every} must be >= 1")
-    ps, steps = cfg.logging.profile_step, cfg.trainer.max_steps
-    _require(0 <= ps <= steps, f"logging.profile_step={ps} must be a step of this run, 1..trainer.max_steps={steps} "
-             "(or 0 for no profiling)")
 
 
 def _check_model(model: ModelConfig) -> None:
@@ -169,14 +170,50 @@ def _check_data(data: DataConfig) -> None:
     _require(data.num_samples >= 1, f"data.num_samples={data.num_samples} must be >= 1")
 
 
+def _check_logging(cfg: TrainConfig) -> None:
+    # after _check_trainer, so a wrong trainer.max_steps is blamed on itself, not on this key
+    ps, steps = cfg.logging.profile_step, cfg.trainer.max_steps
+    _require(0 <= ps <= steps, f"logging.profile_step={ps} must be a step of this run, 1..trainer.max_steps={steps} "
+             "(or 0 for no profiling)")
+
+
 def _check_positions(cfg: TrainConfig) -> None:
     # positions past what the model was built for silently extrapolate RoPE; known only when arch says it
     limit = cfg.model.arch.get("max_position_embeddings")
-    padded = -(-cfg.data.seq_len // cfg.parallelism.cp) * cfg.parallelism.cp if cfg.parallelism.cp >= 1 else cfg.data.seq_len
+    padded = padded_length(cfg.data.seq_len, cfg.parallelism.cp)
     _require(
         not limit or padded <= limit,
         f"data.seq_len={cfg.data.seq_len} (padded to {padded} for cp) exceeds model.arch.max_position_embeddings="
         f"{limit}; shorten data.seq_len or raise model.arch.max_position_embeddings (RoPE will extrapolate)",
+    )
+
+
+def _rope_key(arch: Mapping[str, Any]) -> str:
+    # HF reads rope_scaling first when both are given (convert_rope_params_to_dict)
+    return "rope_scaling" if arch.get("rope_scaling") else "rope_parameters"
+
+
+def _check_rope(cfg: TrainConfig) -> None:
+    """RoPE types under cp (ds_ulysses_ext/rope.py); known only when model.arch says the rope type."""
+    cp, arch = cfg.parallelism.cp, cfg.model.arch
+    if cp == 1:
+        return
+    key = _rope_key(arch)
+    params = arch.get(key)
+    unknown = unchecked_rope_types(params)
+    _require(
+        not unknown,
+        f"model.arch.{key}.rope_type={unknown[0] if unknown else ''} is not one of the RoPE types checked under cp "
+        f"{_fmt(CP_ROPE_TYPES)}; set model.arch.{key}.rope_type to one of them or run with parallelism.cp=1",
+    )
+    seq_len, padded = cfg.data.seq_len, padded_length(cfg.data.seq_len, cp)
+    lower = seq_len // cp * cp
+    _require(
+        not depends_on_length(params) or padded == seq_len,
+        f"data.seq_len={seq_len} is not a multiple of parallelism.cp={cp}, and model.arch.{key} selects a RoPE "
+        f"type that reads the sequence length ({_fmt(LENGTH_DEPENDENT_TYPES)}): the {padded - seq_len} pad tokens "
+        f"cp adds would change its frequencies from the parallelism.cp=1 run's; set data.seq_len="
+        + " or ".join(str(n) for n in (lower, padded) if n > 0),
     )
 
 
@@ -345,19 +382,16 @@ def _check_parallelism(cfg: TrainConfig, world_size: int) -> int:
     return world_size // par.cp
 
 
-def _heads_split(num_q: int, num_kv: int, cp: int) -> bool:
-    # Ulysses gives each cp rank num_q / cp query heads; kv heads are split too, or replicated when cp > num_kv.
-    return num_q % cp == 0 and (num_kv % cp == 0 or cp % num_kv == 0)
-
-
 def _check_heads(arch: Mapping[str, Any], cp: int, world_size: int) -> None:
     num_q = arch.get("num_attention_heads")
     if num_q is None:
         return  # a pretrained preset without head counts: enable_context_parallel checks at model load
     num_kv = arch.get("num_key_value_heads", num_q)  # HF's default: one kv head per query head
-    if _heads_split(num_q, num_kv, cp):
+    # Ulysses gives each cp rank num_q / cp query heads; kv heads are split too, or replicated when cp > num_kv
+    splits = valid_cp_values(num_q, num_kv)
+    if cp in splits:
         return
-    valid = [c for c in _divisors(world_size) if _heads_split(num_q, num_kv, c)]
+    valid = [c for c in _divisors(world_size) if c in splits]
     raise ConfigError(
         f"parallelism.cp={cp} cannot split the heads of model.arch.num_attention_heads={num_q}, "
         f"model.arch.num_key_value_heads={num_kv}: Ulysses needs num_attention_heads % cp == 0 and "

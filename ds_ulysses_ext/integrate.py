@@ -1,4 +1,6 @@
-"""The only place that patches other libraries: CP attention registration, model guards, DeepSpeed.
+"""The only place the library patches transformers: CP attention registration and model guards.
+
+(DeepSpeed's patches are the engine's: engine/ds_patches.py.)
 
 `enable_context_parallel(model, topology)`:
 - validates the model family and head counts for this cp (models.py);
@@ -22,6 +24,7 @@ import torch
 from .attention import ulysses_attention
 from .errors import UnsupportedError
 from .models import check_model_config
+from .rope import share_global_length
 from .topology import Topology
 
 log = logging.getLogger(__name__)
@@ -125,7 +128,19 @@ def _refuse_generate(*args, **kwargs):
 
 
 def attention_modules(model) -> list[torch.nn.Module]:
-    return [m for m in model.modules() if hasattr(m, "num_key_value_groups") or m.__class__.__name__.endswith("Attention")]
+    """Each decoder layer's `self_attn`: the module every registry family's layer hands to the attention interface.
+
+    A layer without one (a recurrent or otherwise unknown mixer) is refused: it would run unsplit on its chunk.
+    """
+    layers = getattr(model.get_decoder(), "layers", None)
+    if layers is None:
+        raise UnsupportedError(f"{type(model).__name__}'s decoder has no `layers`; context parallelism needs "
+                               "the decoder layer list to find the attention modules")
+    missing = [i for i, layer in enumerate(layers) if not isinstance(getattr(layer, "self_attn", None), torch.nn.Module)]
+    if missing:
+        raise UnsupportedError(f"decoder layers {missing} of {type(model).__name__} have no `self_attn` attention "
+                               "module, so context parallelism cannot split them; run with parallelism.cp=1")
+    return [layer.self_attn for layer in layers]
 
 
 def enable_context_parallel(model, topology: Topology, backend: str = "auto"):
@@ -140,60 +155,9 @@ def enable_context_parallel(model, topology: Topology, backend: str = "auto"):
     for m in modules:
         m._cp_state = state
     model._cp_state = state
+    share_global_length(model, topology)  # dynamic / longrope RoPE read the length: give them the global one
     # on the decoder, so the check runs whether the caller goes through the LM head or not (lm.py)
     model.get_decoder().register_forward_pre_hook(_first_forward_check(state), with_kwargs=True)
     if topology.cp_size > 1:
         model.generate = _refuse_generate
     return model
-
-
-def skip_deepspeed_shm_build() -> None:
-    """Stop DeepSpeed's CPU accelerator from JIT-compiling `deepspeed_shm_comm` at init (35-75 s).
-
-    That op only serves inference all-reduce; training never uses it, and DeepSpeed 0.19 has no switch
-    to skip it (research/stack.md section 3.3). `import deepspeed.comm.torch` would return the torch
-    module (a name clash inside deepspeed.comm), hence importlib.
-    """
-    import importlib
-    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
-
-
-def one_pass_zero2_grad_norm() -> None:
-    """Make DeepSpeed's ZeRO-1/2 gradient norm one multi-tensor pass instead of a copy and a kernel per tensor.
-
-    DeepSpeedZeroOptimizer.get_grad_norm_direct (0.19.8) copies each gradient to fp64 and reduces each copy
-    in its own kernel. On an H200 that is 2 x 146 launches and 8.4 of the 24 ms optimizer step of a 1.24B model
-    (scripts/trace_phases.py, docs/benchmarks.md), paid every step, since the norm is logged and clipped on.
-    torch._foreach_norm computes the per-tensor norms in a few launches with fp32 accumulation; their squares
-    are summed in fp64 as DeepSpeed sums its own. The result agrees to ~1e-7 relative. Which tensors count,
-    the reductions over the dp and model-parallel groups, and inf/NaN -> -1 stay DeepSpeed's. Other norm
-    types keep DeepSpeed's method.
-    """
-    from deepspeed.runtime.constants import PIPE_REPLICATED
-    from deepspeed.runtime.utils import is_model_parallel_parameter, mask_nan_or_inf_with_val_inplace
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-    from deepspeed import comm as ds_dist
-
-    original = DeepSpeedZeroOptimizer.get_grad_norm_direct
-    if getattr(original, "_one_pass", False):
-        return
-
-    def get_grad_norm_direct(self, gradients, params, norm_type=2):
-        if float(norm_type) != 2.0:
-            return original(self, gradients, params, norm_type)
-        grads = [g.detach() for g, p in zip((g for g in gradients if not getattr(g, "_zero_padding", False)), params)
-                 if not (hasattr(p, PIPE_REPLICATED) and p.ds_pipe_replicated)
-                 and (is_model_parallel_parameter(p) or self.model_parallel_rank == 0)]
-        if grads:
-            norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)  # bf16 results would round to 8 bits
-            total = torch.stack(norms).double().pow(2).sum().float()  # one cast, not one per tensor
-        else:
-            total = torch.tensor(0.0, dtype=torch.float32, device=self.device)
-        ds_dist.all_reduce(total, op=ds_dist.ReduceOp.SUM, group=self.dp_process_group)
-        self._model_parallel_all_reduce(tensor=total, op=ds_dist.ReduceOp.SUM)
-        total = total.pow(0.5)
-        mask_nan_or_inf_with_val_inplace(total, device=self.device)
-        return total
-
-    get_grad_norm_direct._one_pass = True
-    DeepSpeedZeroOptimizer.get_grad_norm_direct = get_grad_norm_direct

@@ -57,8 +57,22 @@ class CPCausalLM(torch.nn.Module):
     def config(self):
         return self.hf.config
 
-    def forward(self, input_ids, labels, position_ids):
-        """input_ids, labels (shifted), position_ids: [B, s] -> (loss_sum fp32 scalar, token count)."""
-        hidden_BsH = self.hf.get_decoder()(input_ids=input_ids, position_ids=position_ids,
-                                           use_cache=False).last_hidden_state
+    def forward(self, input_ids, labels, position_ids, **model_inputs):
+        """input_ids, labels (shifted), position_ids: [B, s] -> (loss_sum fp32 scalar, token count).
+
+        model_inputs: the other keys shard_batch returned (e.g. packed documents' cp_cu_seqlens), passed to
+        the decoder as they are; the attention reads them.
+        """
+        # MoE models: the balance statistics count real tokens only (`moe_token_mask` [B, s], 1 real / 0 pad; all
+        # positions when absent), and this forward's balance-loss share is left in `self.moe_aux_share` for the
+        # caller's backward (a third output would break every (loss_sum, count) caller)
+        token_mask = model_inputs.pop("moe_token_mask", None)
+        moe = getattr(self.hf, "_moe_context", None)
+        if moe is not None:
+            moe.begin(token_mask)
+        try:
+            hidden_BsH = self.hf.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                                               **model_inputs).last_hidden_state
+        finally:
+            self.moe_aux_share = moe.end() if moe is not None else None
         return self.head_loss(hidden_BsH, labels)

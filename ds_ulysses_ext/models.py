@@ -1,8 +1,15 @@
 """Registry of HF model families that context parallelism supports, and the checks each one needs.
 
 A family is supported when its attention goes through transformers' attention interface with RoPE
-applied inside the attention module (so the local chunk uses its global position_ids), a plain causal
-mask, and no attention sinks or sliding windows that Ulysses' dense causal kernel would silently drop.
+applied inside the attention module (so the local chunk uses its global position_ids) and a causal mask.
+Sliding windows and attention sinks reach the CP attention as the `sliding_window` and `s_aux` kwargs that
+these families' attention modules pass, and run exactly there (masks.py); every family below passes them.
+
+SUPPORTED is the one list of families: configs/model.py reads it, so `validate` and the model build cannot
+disagree. Adding a family is one `Family(...)` line here; `moe` marks families with expert layers (the config
+layer allows parallelism.ep only for them); `notes` says what a config of the family needs under CP and is
+part of the refusal when a config of it fails a check. Under CP the experts of qwen3_moe run unsplit on every
+rank (only attention is split).
 """
 from __future__ import annotations
 
@@ -10,20 +17,24 @@ from dataclasses import dataclass
 
 from .errors import UnsupportedError
 from .layout import kv_replication
+from .rope import check_rope
+
 
 
 @dataclass(frozen=True)
 class Family:
     model_type: str
+    moe: bool = False
     notes: str = ""
 
 
 SUPPORTED = {f.model_type: f for f in (
     Family("llama"),
-    Family("qwen2", "sliding window must be off (use_sliding_window=False, the default)"),
-    Family("qwen3", "sliding window must be off (use_sliding_window=False, the default)"),
-    Family("mistral", "sliding_window must be null (Mistral >= v0.2)"),
-    Family("qwen3_moe", "attention only; experts run unsplit on every CP rank"),
+    Family("qwen2"),
+    Family("qwen3"),
+    Family("mistral"),
+    Family("qwen3_moe", moe=True),
+    Family("gpt_oss", moe=True, notes="sliding windows and sinks run in the CP attention; experts run as HF's"),
 )}
 
 
@@ -34,25 +45,10 @@ def check_model_config(config, cp: int) -> None:
         raise UnsupportedError(
             f"model family {model_type!r} is not supported under context parallelism; supported: "
             f"{sorted(SUPPORTED)}. Use one of those or run with parallelism.cp=1")
-    if _uses_sliding_window(config):
-        raise UnsupportedError(
-            f"{model_type} config has sliding-window attention (sliding_window={config.sliding_window}); "
-            "Ulysses runs dense causal attention, which would silently change the model. Set "
-            "sliding_window=None / use_sliding_window=False, or run with parallelism.cp=1")
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedError("encoder-decoder models are not supported under context parallelism")
+    check_rope(config, cp)
     num_q = config.num_attention_heads
     num_kv = getattr(config, "num_key_value_heads", None) or num_q
     kv_replication(num_q, num_kv, cp)  # raises with the valid cp values
 
-
-def _uses_sliding_window(config) -> bool:
-    window = getattr(config, "sliding_window", None)
-    if window is None:
-        return False
-    if hasattr(config, "use_sliding_window"):
-        return bool(config.use_sliding_window)
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None:
-        return any(t == "sliding_attention" for t in layer_types)
-    return True

@@ -1,6 +1,8 @@
 """The HF model config for a ModelConfig, without building the model (cheap; used before model load)."""
 from __future__ import annotations
 
+from ds_ulysses_ext.layout import padded_length
+
 
 def hf_config_of(model_cfg):
     from transformers import AutoConfig
@@ -14,7 +16,7 @@ def position_warning(hf_config, seq_len: int, cp: int) -> str | None:
     max_position_embeddings make RoPE extrapolate, silently. Long-context fine-tuning does that on purpose (with
     or without a RoPE scaling), so it is said, not refused (validate() refuses it for a model built from arch)."""
     limit = getattr(hf_config, "max_position_embeddings", None)
-    padded = -(-seq_len // cp) * cp
+    padded = padded_length(seq_len, cp)
     if not limit or padded <= limit:
         return None
     return (f"data.seq_len={seq_len} (padded to {padded} for cp) exceeds the model's max_position_embeddings="

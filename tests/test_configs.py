@@ -361,6 +361,8 @@ REFUSALS = [
      r"logging\.profile_step=6 must be a step of this run, 1\.\.trainer\.max_steps=5"),
     ("profile_step_negative", ["logging.profile_step=-1"], 2, r"logging\.profile_step=-1 must be a step"),
     ("max_steps", ["trainer.max_steps=0"], 2, r"trainer\.max_steps=0 must be >= 1"),
+    # profile_step (default 0) depends on max_steps: the message must blame the key the user set
+    ("max_steps_negative", ["trainer.max_steps=-1"], 2, r"^trainer\.max_steps=-1 must be >= 1$"),
     (
         "warmup_longer_than_run",
         ["trainer.warmup_steps=30"],
@@ -395,7 +397,7 @@ REFUSALS = [
         ["model.family=gemma"],
         2,
         r"model\.family=gemma is not supported under cp; "
-        r"supported families: llama, qwen2, qwen3, mistral, qwen3_moe, gpt_oss, latent_moe",
+        r"supported families: llama, qwen2, qwen3, mistral, qwen3_moe;",
     ),
     ("model_source", ["model.source=hub"], 2, r"model\.source=hub is not one of \{config, pretrained\}"),
     ("attn_backend", ["model.attn_backend=xformers"], 2, r"model\.attn_backend=xformers is not one of"),
@@ -456,3 +458,78 @@ def test_bf16_master_weights_validate_with_bf16_precision(preset):
     # offload included: DeepSpeed 0.19.8 builds its CPU Adam with bf16 moments for it (engine/ds_config.py)
     cfg = compose_config([f"deepspeed={preset}", "precision=bf16", "deepspeed.master_weights=bf16"])
     assert validate(cfg, world_size=2).precision == "bf16"
+
+
+# --- one registry: validate reads the library's list of families -------------------------------------------
+
+
+def test_validate_lists_exactly_the_library_registry():
+    from configs.model import MOE_FAMILIES, SUPPORTED_FAMILIES
+    from ds_ulysses_ext.models import SUPPORTED
+    assert SUPPORTED_FAMILIES == tuple(SUPPORTED)
+    assert SUPPORTED_FAMILIES == ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe")
+    assert MOE_FAMILIES == ("qwen3_moe",)
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "latent_moe"])
+def test_family_outside_the_registry_is_refused_before_any_model_is_built(family, monkeypatch):
+    import transformers
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("validate built a model or an HF config")
+    for name in ("AutoModelForCausalLM", "AutoConfig"):
+        monkeypatch.setattr(transformers, name, type(name, (), {"from_config": no_build, "for_model": no_build,
+                                                                 "from_pretrained": no_build}))
+    with pytest.raises(ConfigError, match=rf"model\.family={family} is not supported under cp; supported families: "
+                                          r"llama, qwen2, qwen3, mistral, qwen3_moe;"):
+        validate(compose_config([f"model.family={family}"]), world_size=2)
+
+
+# --- RoPE types under cp, as model.arch spells them -----------------------------------------------------------
+
+ROPE_ACCEPTED = {
+    "default": {"rope_type": "default"},
+    "linear": {"rope_type": "linear", "factor": 2.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0},
+    "yarn": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 2048},
+    "longrope": {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4,
+                 "original_max_position_embeddings": 2048},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 2048},
+    "proportional": {"rope_type": "proportional", "partial_rotary_factor": 0.5},
+}
+
+
+@pytest.mark.parametrize("key", ["rope_parameters", "rope_scaling"])
+@pytest.mark.parametrize("rope_type", sorted(ROPE_ACCEPTED))
+def test_every_rope_type_checked_under_cp_validates(rope_type, key):
+    cfg = compose_config(["parallelism.cp=4"])
+    cfg.model.arch[key] = ROPE_ACCEPTED[rope_type]
+    assert validate(cfg, world_size=4).cp == 4
+
+
+@pytest.mark.parametrize("key", ["rope_parameters", "rope_scaling"])
+@pytest.mark.parametrize("spelling", ["rope_type", "type"])  # `type`: the pre-transformers-5 key
+@pytest.mark.parametrize("rope_type", ["axial", "my_custom_rope"])
+def test_unchecked_rope_type_is_refused_under_cp_only(rope_type, spelling, key):
+    cfg = compose_config([])
+    cfg.model.arch[key] = {spelling: rope_type, "factor": 2.0}
+    with pytest.raises(ConfigError, match=rf"^model\.arch\.{key}\.rope_type={rope_type} is not one of the RoPE types "
+                                          r"checked under cp \{default, linear, yarn, llama3, proportional, dynamic, "
+                                          rf"longrope\}}; set model\.arch\.{key}\.rope_type to one of them or run "
+                                          r"with parallelism\.cp=1$"):
+        validate(cfg, world_size=2)
+    cfg.parallelism.cp = 1
+    assert validate(cfg, world_size=2).cp == 1  # no split, nothing to break: stock HF
+
+
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
+def test_length_dependent_rope_needs_a_seq_len_that_cp_divides(rope_type):
+    cfg = compose_config(["parallelism.cp=4", "data.seq_len=254"])
+    cfg.model.arch["rope_scaling"] = ROPE_ACCEPTED[rope_type]
+    with pytest.raises(ConfigError, match=r"^data\.seq_len=254 is not a multiple of parallelism\.cp=4, and "
+                                          r"model\.arch\.rope_scaling selects a RoPE type that reads the sequence "
+                                          r"length .*the 2 pad tokens .*; set data\.seq_len=252 or 256$"):
+        validate(cfg, world_size=4)
+    cfg.model.arch["rope_scaling"] = ROPE_ACCEPTED["yarn"]  # static frequencies: the pads change nothing
+    assert validate(cfg, world_size=4).seq_len == 254

@@ -1,0 +1,147 @@
+"""enable_expert_parallel(model, topology, settings): put our MoE block into an HF MoE model and split its experts.
+
+- HF Qwen3-MoE sparse blocks are replaced by `MoEBlock`s holding the same weights (HF's parameter names, so a
+  checkpoint loads as is); LatentMoE models (latent_model.py) are built with `MoEBlock`s already.
+- Each block keeps experts [ep_rank * E/ep, (ep_rank + 1) * E/ep) of its EP group and gets the model's one
+  `MoEContext` (dispatcher over the EP group, the CP group for the balance statistics).
+- Under ZeRO-3 the expert parameters are marked for DeepSpeed as expert-parallel (engine/ds_patches.py says how)
+  before `deepspeed.initialize` partitions them, over their expert-data-parallel group.
+Works on an already ZeRO-3-partitioned model (weights are gathered block by block) and on a plain one.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import UnsupportedError
+from ..topology import Topology
+from .dispatch import AllToAllDispatcher
+from .experts import RECOMPUTE_MODES
+from .layer import MoEBlock, MoEContext, MoESpec, moe_blocks
+
+log = logging.getLogger(__name__)
+
+DISPATCHERS = ("auto", "alltoall", "deepep")
+BALANCES = ("aux", "bias", "none")
+
+
+@dataclass(frozen=True)
+class MoESettings:
+    dispatcher: str = "auto"  # auto: deepep on CUDA when it imports and the EP group suits it, else alltoall
+    balance: str = "aux"  # aux: per-sequence balance loss; bias: aux-loss-free expert bias; none
+    aux_loss_coef: float = 1e-3
+    bias_update_rate: float = 1e-3
+    recompute: str = "none"  # none | act | experts (experts.py)
+    recompute_group_size: int = 1
+    offload_inputs: bool = False
+
+    def check(self) -> None:
+        for name, value, choices in (("dispatcher", self.dispatcher, DISPATCHERS),
+                                     ("balance", self.balance, BALANCES),
+                                     ("recompute", self.recompute, RECOMPUTE_MODES)):
+            if value not in choices:
+                raise UnsupportedError(f"moe.{name}={value} is not one of {choices}")
+
+
+def hf_moe_spec(config, expert_bias: bool = False) -> MoESpec:
+    """The MoE block shape of an HF Qwen3-MoE-style config (LatentMoE's adds latent_size and a shared expert)."""
+    act = getattr(config, "hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedError(f"MoE experts with hidden_act={act!r}: our experts compute SwiGLU (silu); "
+                               "use a model whose experts are SwiGLU")
+    if getattr(config, "output_router_logits", False):
+        raise UnsupportedError(
+            "output_router_logits=true asks for HF's load-balancing loss, which pools the whole batch and every "
+            "layer and so changes with the cp split; our per-sequence loss replaces it: set "
+            "output_router_logits=false and use moe.balance=aux (moe.aux_loss_coef)")
+    return MoESpec(hidden_size=config.hidden_size, num_experts=config.num_experts,
+                   top_k=config.num_experts_per_tok, intermediate_size=config.moe_intermediate_size,
+                   score=getattr(config, "router_score", "softmax"),
+                   norm_topk_prob=bool(getattr(config, "norm_topk_prob", True)),
+                   latent_size=int(getattr(config, "latent_size", 0) or 0),
+                   shared_intermediate_size=int(getattr(config, "shared_expert_intermediate_size", 0) or 0),
+                   expert_bias=expert_bias)
+
+
+def _gathered(params):
+    if any(hasattr(p, "ds_id") for p in params):
+        import deepspeed
+        return deepspeed.zero.GatheredParameters(list(params))
+    return contextlib.nullcontext()
+
+
+def replace_hf_blocks(model, expert_bias: bool = False) -> int:
+    """Swap every HF Qwen3-MoE sparse block for a MoEBlock with the same weights; returns how many."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+    layers = model.get_decoder().layers
+    replaced = 0
+    for layer_id, layer in enumerate(layers):
+        old = getattr(layer, "mlp", None)
+        if not isinstance(old, Qwen3MoeSparseMoeBlock):
+            continue
+        spec = hf_moe_spec(model.config, expert_bias)
+        old_params = list(old.parameters())
+        dtype, device = old_params[0].dtype, old_params[0].device
+        new = MoEBlock(spec, layer_id)
+        with _gathered(old_params), torch.no_grad():
+            new.to(device=_real_device(old_params[0], device), dtype=dtype)
+            missing, unexpected = new.load_state_dict(old.state_dict(), strict=False)
+        if unexpected or [k for k in missing if k != "gate.expert_bias"]:
+            raise RuntimeError(f"layer {layer_id}: HF MoE weights did not map onto ours: missing {missing}, "
+                               f"unexpected {unexpected}")
+        layer.mlp = new
+        replaced += 1
+    return replaced
+
+
+def _real_device(param, device):
+    # a ZeRO-3 parameter lives on the accelerator (or the host with offload); the gathered copy is where it is
+    return param.device if param.numel() else device
+
+
+def enable_expert_parallel(model, topology: Topology, settings: MoESettings = MoESettings()) -> MoEContext:
+    """Install our MoE blocks, shard their experts over `topology`'s EP group, and return the shared context."""
+    settings.check()
+    replace_hf_blocks(model, expert_bias=settings.balance == "bias")
+    blocks = moe_blocks(model)
+    if not blocks:
+        raise UnsupportedError(f"{type(model).__name__} has no MoE block we know how to split; "
+                               "set parallelism.ep=1 for a dense model")
+    if settings.balance == "bias" and any(b.gate.expert_bias is None for b in blocks):
+        raise UnsupportedError("moe.balance=bias needs the routers' expert_bias buffer; build the model with it")
+    ctx = MoEContext(dispatcher=_dispatcher(settings, blocks[0].spec.num_experts, topology),
+                     cp_group=topology.cp_group, balance=settings.balance)
+    for block in blocks:
+        with _gathered(list(block.experts.parameters())):
+            block.shard(topology.ep_rank, topology.ep_size)
+        block.experts.recompute = settings.recompute
+        block.experts.group_size = settings.recompute_group_size
+        block.experts.offload_inputs = settings.offload_inputs
+        block._ctx[0] = ctx
+    model._moe_context = ctx
+    model._moe_settings = settings
+    return ctx
+
+
+def _dispatcher(settings: MoESettings, num_experts: int, topology: Topology):
+    want = settings.dispatcher
+    if want in ("auto", "deepep"):
+        from .deepep import deepep_unavailable_reason, DeepEPDispatcher
+        reason = deepep_unavailable_reason(topology.ep_size)
+        if reason is None:
+            if topology.rank == 0:
+                log.info("MoE dispatcher: DeepEP (normal mode, ep=%d)", topology.ep_size)
+            return DeepEPDispatcher(num_experts, topology.ep_group)
+        if want == "deepep":
+            raise UnsupportedError(f"moe.dispatcher=deepep: {reason}; use moe.dispatcher=alltoall")
+        if topology.rank == 0:
+            log.info("MoE dispatcher: torch all-to-all over ep=%d (DeepEP not used: %s)", topology.ep_size, reason)
+    return AllToAllDispatcher(num_experts, topology.ep_group if topology.ep_size > 1 else None)
+
+
+def expert_parameters(model) -> list[torch.nn.Parameter]:
+    """The parameters that belong to one EP rank (reduced over its EDP group, never with other ranks' experts)."""
+    return [p for b in moe_blocks(model) for p in b.experts.parameters()]

@@ -1,0 +1,92 @@
+"""RoPE under context parallelism: which HF rope types CP runs exactly, and the global length two of them need.
+
+Legend: B batch, s local sequence, S global sequence (padded to a multiple of cp), D head dim.
+
+transformers 5.22 (modeling_rope_utils) defines seven rope types. Five compute their inverse frequencies once,
+from the config: a chunk rotated at its global position_ids is rotated exactly as the unsplit model rotates
+those positions. `dynamic` (NTK) and `longrope` recompute them in forward from `max(position_ids) + 1` of the
+tensor they are handed (dynamic grows its base past max_position_embeddings; longrope switches from its short
+to its long factors past original_max_position_embeddings). Under CP that tensor is one rank's chunk, so each
+rank would rotate with frequencies of its own, none equal to the unsplit model's. `share_global_length` hands
+the rotary module the CP group's largest position, so every rank updates its frequencies from the global
+length, as the unsplit model does on the same (padded) batch. The pads that shard_batch adds to reach a
+multiple of cp count in that length, as right pads do for HF; configs/validate.py therefore asks for a
+data.seq_len that cp divides when the rope type depends on the length.
+
+Any other rope type (a user's entry in ROPE_INIT_FUNCTIONS, HF's `axial` label) is refused under cp > 1:
+whether it depends on the length is not known here.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+from .errors import UnsupportedError
+
+STATIC_TYPES = ("default", "linear", "yarn", "llama3", "proportional")
+LENGTH_DEPENDENT_TYPES = ("dynamic", "longrope")
+CP_ROPE_TYPES = STATIC_TYPES + LENGTH_DEPENDENT_TYPES
+
+
+def rope_parameters_of(config) -> Optional[Mapping[str, Any]]:
+    """The RoPE dict of an HF config: `rope_parameters` (transformers 5), or `rope_scaling` (older configs)."""
+    return getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+
+
+def rope_types(rope_parameters: Optional[Mapping[str, Any]]) -> list[str]:
+    """The rope types a RoPE dict selects: one, or one per layer type when the dict is nested by layer type."""
+    if not rope_parameters:
+        return ["default"]
+    nested = [v for v in rope_parameters.values() if isinstance(v, Mapping)]
+    dicts = nested or [rope_parameters]
+    # `type` is the pre-transformers-5 spelling of `rope_type`; HF reads it the same way
+    return [d.get("rope_type", d.get("type", "default")) for d in dicts]
+
+
+def unchecked_rope_types(rope_parameters: Optional[Mapping[str, Any]]) -> list[str]:
+    return [t for t in rope_types(rope_parameters) if t not in CP_ROPE_TYPES]
+
+
+def depends_on_length(rope_parameters: Optional[Mapping[str, Any]]) -> bool:
+    return any(t in LENGTH_DEPENDENT_TYPES for t in rope_types(rope_parameters))
+
+
+def check_rope(config, cp: int) -> None:
+    """Refuse a rope type whose behaviour under a sequence split is not known."""
+    unknown = unchecked_rope_types(rope_parameters_of(config))
+    if cp > 1 and unknown:
+        raise UnsupportedError(
+            f"rope_type {unknown[0]!r} is not one of the RoPE types checked under context parallelism "
+            f"{list(CP_ROPE_TYPES)}; a type that reads the sequence length would see only this rank's chunk. "
+            "Set rope_parameters (or rope_scaling) to one of those types, or run with parallelism.cp=1")
+
+
+def share_global_length(model: torch.nn.Module, topology) -> int:
+    """Make every rotary module of a length-dependent RoPE see the global length. Returns how many it patched."""
+    if not topology.cp_enabled or not depends_on_length(rope_parameters_of(model.config)):
+        return 0
+    rotaries = [m for m in model.modules() if hasattr(m, "rope_type")]
+    if not rotaries:
+        raise UnsupportedError(f"{type(model).__name__} uses a length-dependent RoPE "
+                               f"({rope_types(rope_parameters_of(model.config))}) but no rotary module "
+                               "(one with `rope_type`) was found to give the global length; run with parallelism.cp=1")
+    for m in rotaries:
+        m.forward = _at_global_length(m.forward, topology.cp_group)
+    return len(rotaries)
+
+
+def _at_global_length(forward: Callable, group) -> Callable:
+    def wrapper(x, position_ids, *args, **kwargs):
+        if position_ids.dim() != 2:
+            raise UnsupportedError(f"position_ids of shape {tuple(position_ids.shape)}: the global-length RoPE "
+                                   "under context parallelism takes [B, s] position_ids")
+        last = position_ids.max().reshape(1)
+        dist.all_reduce(last, op=dist.ReduceOp.MAX, group=group)
+        # HF reads the length as max(position_ids) + 1; one extra column at the global last position makes that
+        # the global length, and cos/sin are per position, so the real columns come out as they would alone
+        probe_B1 = last.expand(position_ids.shape[0], 1).to(position_ids.dtype)
+        cos_BsD, sin_BsD = forward(x, torch.cat([position_ids, probe_B1], dim=1), *args, **kwargs)
+        return cos_BsD[:, :-1], sin_BsD[:, :-1]
+    return wrapper

@@ -1,0 +1,63 @@
+"""Every monkeypatch of DeepSpeed lives here: one plain function per patch, applied by the engine at start-up.
+
+The rule: no other module (library, engine, scripts, tests) patches DeepSpeed. A patch here changes how
+DeepSpeed does something, never what it computes (beyond rounding), and says which DeepSpeed version it was written against;
+each is idempotent, so callers may apply it more than once (tests do). engine/distributed.py applies them
+before the process group exists; tests/dist_harness.py applies the shm skip for the multi-rank tests.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def skip_deepspeed_shm_build() -> None:
+    """Stop DeepSpeed's CPU accelerator from JIT-compiling `deepspeed_shm_comm` at init (35-75 s).
+
+    That op only serves inference all-reduce; training never uses it, and DeepSpeed 0.19 has no switch
+    to skip it (TorchBackend.__init__ builds the op through the CPU accelerator's op builder).
+    `import deepspeed.comm.torch` would return the torch module (a name clash inside deepspeed.comm),
+    hence importlib.
+    """
+    import importlib
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+
+
+def one_pass_zero2_grad_norm() -> None:
+    """Make DeepSpeed's ZeRO-1/2 gradient norm one multi-tensor pass instead of a copy and a kernel per tensor.
+
+    DeepSpeedZeroOptimizer.get_grad_norm_direct (0.19.8) copies each gradient to fp64 and reduces each copy
+    in its own kernel: two launches per tensor, a measurable part of the optimizer step (docs/benchmarks.md,
+    section G), paid every step, since the norm is logged and clipped on.
+    torch._foreach_norm computes the per-tensor norms in a few launches with fp32 accumulation; their squares
+    are summed in fp64 as DeepSpeed sums its own. The result agrees to ~1e-7 relative. Which tensors count,
+    the reductions over the dp and model-parallel groups, and inf/NaN -> -1 stay DeepSpeed's. Other norm
+    types keep DeepSpeed's method.
+    """
+    from deepspeed.runtime.constants import PIPE_REPLICATED
+    from deepspeed.runtime.utils import is_model_parallel_parameter, mask_nan_or_inf_with_val_inplace
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    from deepspeed import comm as ds_dist
+
+    original = DeepSpeedZeroOptimizer.get_grad_norm_direct
+    if getattr(original, "_one_pass", False):
+        return
+
+    def get_grad_norm_direct(self, gradients, params, norm_type=2):
+        if float(norm_type) != 2.0:
+            return original(self, gradients, params, norm_type)
+        grads = [g.detach() for g, p in zip((g for g in gradients if not getattr(g, "_zero_padding", False)), params)
+                 if not (hasattr(p, PIPE_REPLICATED) and p.ds_pipe_replicated)
+                 and (is_model_parallel_parameter(p) or self.model_parallel_rank == 0)]
+        if grads:
+            norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)  # bf16 results would round to 8 bits
+            total = torch.stack(norms).double().pow(2).sum().float()  # one cast, not one per tensor
+        else:
+            total = torch.tensor(0.0, dtype=torch.float32, device=self.device)
+        ds_dist.all_reduce(total, op=ds_dist.ReduceOp.SUM, group=self.dp_process_group)
+        self._model_parallel_all_reduce(tensor=total, op=ds_dist.ReduceOp.SUM)
+        total = total.pow(0.5)
+        mask_nan_or_inf_with_val_inplace(total, device=self.device)
+        return total
+
+    get_grad_norm_direct._one_pass = True
+    DeepSpeedZeroOptimizer.get_grad_norm_direct = get_grad_norm_direct
