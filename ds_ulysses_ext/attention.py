@@ -12,12 +12,18 @@ all_to_all_single delivers to rank j exactly its KV heads of both tensors.
 GQA: no repeat_kv when Hkv % cp == 0; when cp % Hkv == 0 each KV head is replicated cp/Hkv times so
 each rank receives the one KV head its query heads read (layout.kv_replication).
 With cp == 1 this is a direct call of the local backend: the single-rank path is the reference.
+
+Packed documents, sliding windows and sinks need nothing of the exchange: after it every rank holds the
+whole sequence, so the global document boundaries (cu_seqlens) and the window apply as they are, and rank j,
+holding query heads [j*hq, (j+1)*hq), uses those heads' sinks ([Hq] -> [hq]). Each rank's sinks gradient is
+non-zero on its own heads only; the CP sum of parameter gradients assembles the whole.
 """
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from .backends import local_attention
 from .comm import group_size, head_to_seq, seq_to_head
@@ -33,7 +39,9 @@ def _pack_kv(k_BsHD: torch.Tensor, v_BsHD: torch.Tensor, cp: int) -> torch.Tenso
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, causal: bool = True,
-                      softmax_scale: Optional[float] = None, backend: str = "auto") -> torch.Tensor:
+                      softmax_scale: Optional[float] = None, backend: str = "auto",
+                      cu_seqlens: Optional[torch.Tensor] = None, max_seqlen: Optional[int] = None,
+                      window: Optional[int] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """This rank's chunk of exact attention over the whole sequence.
 
     Args:
@@ -42,13 +50,22 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
         group: the CP process group (None or size 1: plain local attention).
         causal: causal mask over global positions (chunks are in rank order).
         softmax_scale: defaults to 1/sqrt(D).
-        backend: 'auto' | 'sdpa' | 'flash_attn' (see backends.py).
+        backend: 'auto' | 'sdpa' | 'flash_attn' | 'fa4' (see backends.py).
+        cu_seqlens: [N+1] int32 document boundaries over the GLOBAL B * S tokens (masks.py), or None.
+        max_seqlen: the longest document (varlen kernels need it), with cu_seqlens.
+        window: sliding window (key k visible to query q when q - k < window), or None.
+        sinks: [Hq] learned sink logits of all query heads, or None.
     Returns:
         [B, s, Hq, D].
     """
     cp = group_size(group)
+    features = dict(cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, window=window)
     if cp == 1:
-        return local_attention(backend, q, k, v, causal=causal, softmax_scale=softmax_scale)
+        return local_attention(backend, q, k, v, causal=causal, softmax_scale=softmax_scale, sinks=sinks, **features)
+    if sinks is not None:
+        hq = q.shape[2] // cp
+        j = dist.get_rank(group)
+        sinks = sinks[j * hq:(j + 1) * hq]
     rep = kv_replication(q.shape[2], k.shape[2], cp)
     if rep > 1:
         # [B s Hkv D] -> [B s cp D]: KV head i is read by query-head ranks i*rep .. i*rep+rep-1
@@ -57,5 +74,6 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
     kv_BShD = seq_to_head(_pack_kv(k, v, cp), group)               # [B S 2*hkv D]
     hkv = kv_BShD.shape[2] // 2
     k_BShD, v_BShD = kv_BShD[:, :, :hkv], kv_BShD[:, :, hkv:]
-    o_BShD = local_attention(backend, q_BShD, k_BShD, v_BShD, causal=causal, softmax_scale=softmax_scale)
+    o_BShD = local_attention(backend, q_BShD, k_BShD, v_BShD, causal=causal, softmax_scale=softmax_scale,
+                             sinks=sinks, **features)
     return head_to_seq(o_BShD, group)                              # [B s Hq D]

@@ -11,6 +11,12 @@ Every backend takes and returns the [B, S, h, D] layout and handles GQA natively
   dim 64 (docs/benchmarks.md).
 - `auto`: on CUDA in bf16/fp16 the first that imports of fa4, flash_attn, else sdpa; sdpa on CPU and in fp32.
 The choice is logged once per process per (backend, device type).
+
+Packed documents (`cu_seqlens`, flat [N+1] int32 over the B * S tokens), a sliding `window` and learned
+`sinks` ([h], this tensor's query heads) go to the varlen / windowed kernels where the chosen one has them
+(flash_attn: documents and windows; fa4: documents, windows and sinks), and otherwise to the exact torch path
+(masks.masked_attention). `sdpa` with any of them is that torch path. A kernel named explicitly that lacks a
+feature the model uses is refused; `auto` falls back to the torch path and logs it once.
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import UnsupportedError
+from .masks import masked_attention
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +78,51 @@ def fa4_attention(q_BShD, k_BShD, v_BShD, *, causal: bool, softmax_scale: Option
 
 _IMPLS = {"sdpa": sdpa_attention, "flash_attn": flash_attention, "fa4": fa4_attention}
 
+# the optional kernels' varlen entry points, and which features each kernel has
+_VARLEN = {"flash_attn": ("flash_attn", "flash_attn_varlen_func"), "fa4": ("flash_attn.cute", "flash_attn_varlen_func")}
+_FEATURES = {"flash_attn": {"documents", "window"}, "fa4": {"documents", "window", "sinks"}}
+
+
+def _varlen_func(backend: str) -> Callable:
+    _require(backend)
+    module, name = _VARLEN[backend]
+    return getattr(importlib.import_module(module), name)
+
+
+def _kernel_kwargs(backend, causal, softmax_scale, window, sinks) -> dict:
+    kwargs = {"causal": causal}
+    if softmax_scale is not None:
+        kwargs["softmax_scale"] = softmax_scale
+    if window is not None:  # HF's window sees q - k < window: the kernels' left reach is window - 1
+        kwargs["window_size"] = (window - 1, 0)
+    if sinks is not None:
+        kwargs["learnable_sink"] = sinks
+    return kwargs
+
+
+def _kernel_with_features(backend, q_BShD, k_BShD, v_BShD, *, causal, softmax_scale, cu_seqlens, max_seqlen,
+                          window, sinks):
+    kwargs = _kernel_kwargs(backend, causal, softmax_scale, window, sinks)
+    if cu_seqlens is None:
+        out = _require(backend)(q_BShD, k_BShD, v_BShD, **kwargs)
+    else:
+        B, S = q_BShD.shape[:2]
+        flat = [t.reshape(B * S, *t.shape[2:]) for t in (q_BShD, k_BShD, v_BShD)]  # [B*S h D]: THD layout
+        out = _varlen_func(backend)(*flat, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
+                                    max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, **kwargs)
+    out = out[0] if isinstance(out, tuple) else out  # FA4 returns (out, lse)
+    return out.reshape(q_BShD.shape)
+
+
+def _needed(cu_seqlens, window, sinks) -> set:
+    return {name for name, value in (("documents", cu_seqlens), ("window", window), ("sinks", sinks))
+            if value is not None}
+
+
+@functools.lru_cache(maxsize=None)
+def _log_fallback(name: str, missing: tuple) -> None:
+    log.info("attention backend %s lacks %s: those layers run the exact torch path", name, ", ".join(missing))
+
 
 # the flash kernels take half precision only; an fp32 run (exactness checks on GPU) must not pick them
 _FLASH_DTYPES = (torch.bfloat16, torch.float16)
@@ -94,7 +146,27 @@ def _log_choice(name: str, device_type: str) -> None:
 
 
 def local_attention(backend: str, q_BShD, k_BShD, v_BShD, *, causal: bool = True,
-                    softmax_scale: Optional[float] = None) -> torch.Tensor:
-    """Exact attention over the whole (local) sequence with the named backend."""
-    impl = _IMPLS[resolve_backend(backend, q_BShD.device.type, q_BShD.dtype)]
-    return impl(q_BShD, k_BShD, v_BShD, causal=causal, softmax_scale=softmax_scale)
+                    softmax_scale: Optional[float] = None, cu_seqlens: Optional[torch.Tensor] = None,
+                    max_seqlen: Optional[int] = None, window: Optional[int] = None,
+                    sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Exact attention over the whole (local) sequence with the named backend.
+
+    cu_seqlens / max_seqlen: packed documents (masks.py); window: HF's sliding_window; sinks: [h].
+    """
+    name = resolve_backend(backend, q_BShD.device.type, q_BShD.dtype)
+    needed = _needed(cu_seqlens, window, sinks)
+    if not needed:
+        return _IMPLS[name](q_BShD, k_BShD, v_BShD, causal=causal, softmax_scale=softmax_scale)
+    if name != "sdpa":
+        missing = tuple(sorted(needed - _FEATURES[name]))
+        if not missing:
+            if cu_seqlens is not None and max_seqlen is None:
+                raise ValueError("a varlen kernel needs max_seqlen with cu_seqlens (the longest document)")
+            return _kernel_with_features(name, q_BShD, k_BShD, v_BShD, causal=causal, softmax_scale=softmax_scale,
+                                         cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, window=window, sinks=sinks)
+        if backend != "auto":
+            raise UnsupportedError(f"attention backend {name!r} has no {', '.join(missing)} support, which this "
+                                   "model's attention needs; set model.attn_backend=auto or model.attn_backend=sdpa")
+        _log_fallback(name, missing)
+    return masked_attention(q_BShD, k_BShD, v_BShD, causal=causal, softmax_scale=softmax_scale,
+                            cu_seqlens=cu_seqlens, window=window, sinks=sinks)

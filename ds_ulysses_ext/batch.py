@@ -9,6 +9,14 @@ Order matters for exactness (DESIGN 3.1):
 3. split input_ids, the shifted labels and global position_ids into contiguous chunks.
 The returned `labels` are already shifted: compute the loss without shifting again (loss.py does).
 Right padding only; left padding, multimodal inputs and unknown tensors are refused.
+
+Packed rows (HF's convention, as DataCollatorWithFlattening makes them): position_ids restart at 0 for each
+document, and any step that is not +1 starts a new one (the rule HF's own masks use). Then:
+- a document's last token gets no target (it would predict the next document's first), before the split;
+- `cp_cu_seqlens` [N+1] int32, the documents' boundaries over the whole padded batch (masks.py), is added
+  to the shard. It is the same on every CP rank: after the all-to-all each rank attends over the whole
+  sequence, so it needs the global boundaries, not its chunk's. Pads continue the last document.
+Every key returned except `labels` goes to the model's forward as is.
 """
 from __future__ import annotations
 
@@ -17,6 +25,7 @@ import torch
 from .errors import UnsupportedError
 from .integrate import MULTIMODAL_KEYS
 from .layout import chunk_bounds, padded_length
+from .masks import CU_SEQLENS_KEY, cu_seqlens_of, document_starts
 from .topology import Topology
 
 IGNORE_INDEX = -100
@@ -39,15 +48,19 @@ def _check_inputs(batch: dict) -> None:
         raise UnsupportedError(f"shard_batch does not know how to split {sorted(unknown)}; "
                                f"it handles {sorted(KNOWN_KEYS)}")
     pos = batch.get("position_ids")
-    if pos is not None and pos.shape[1] > 1 and bool((pos[:, 1:] - pos[:, :-1] != 1).any()):
-        # restarting positions mean packed documents; a dense causal kernel would let them attend to
-        # each other, which changes the model silently
-        raise UnsupportedError("position_ids are not consecutive (packed sequences?): packing is not supported "
-                               "under context parallelism yet; give one document per row, right-padded")
+    if pos is not None and pos.shape[-1] != batch["input_ids"].shape[1]:
+        raise UnsupportedError(f"position_ids has {pos.shape[-1]} positions for {batch['input_ids'].shape[1]} "
+                               "tokens; give one position per token")
     mask = batch.get("attention_mask")
     if mask is not None and bool((mask[:, 1:] > mask[:, :-1]).any()):
         raise UnsupportedError("left padding detected (a pad before a real token) in attention_mask; context "
                                "parallelism needs right padding (tokenizer.padding_side='right', data.padding_side=right)")
+
+
+def _local(t_BSp: torch.Tensor, topology: Topology) -> torch.Tensor:
+    # this rank's share of a padded [B, Sp] tensor: the contiguous chunk cp_rank (Ulysses' layout)
+    start, end = chunk_bounds(t_BSp.shape[1], topology.cp_size, topology.cp_rank)
+    return t_BSp[:, start:end].contiguous()
 
 
 def shard_batch(batch: dict, topology: Topology, pad_token_id: int = 0) -> dict:
@@ -55,10 +68,12 @@ def shard_batch(batch: dict, topology: Topology, pad_token_id: int = 0) -> dict:
 
     Args:
         batch: input_ids [B, S]; labels [B, S] unshifted (HF convention, -100 = no loss), optional
-            attention_mask [B, S] (right padding only), optional position_ids [B, S].
+            attention_mask [B, S] (right padding only), optional position_ids [B, S] (restarting at 0 for
+            each document of a packed row).
         topology: gives cp_size and cp_rank.
     Returns:
-        {"input_ids": [B, s], "labels": [B, s] (shifted), "position_ids": [B, s]}.
+        {"input_ids": [B, s], "labels": [B, s] (shifted), "position_ids": [B, s]}, plus
+        "cp_cu_seqlens": [N+1] int32 (global document boundaries) when a row holds several documents.
     """
     _check_inputs(batch)
     input_ids = batch["input_ids"]
@@ -69,6 +84,11 @@ def shard_batch(batch: dict, topology: Topology, pad_token_id: int = 0) -> dict:
         # a pad position's target is the next (pad) token: never a loss
         targets = targets.masked_fill(shift_labels(batch["attention_mask"]) == 0, IGNORE_INDEX)
     position_ids = batch.get("position_ids")
+    if position_ids is not None:
+        position_ids = position_ids.expand(B, S)
+        starts = document_starts(position_ids)
+        # the last token of a document predicts nothing: the next token opens another document
+        targets = targets.masked_fill(torch.cat([starts[:, 1:], torch.zeros_like(starts[:, :1])], 1), IGNORE_INDEX)
     cp = topology.cp_size
     Sp = padded_length(S, cp)
     if Sp != S:
@@ -80,7 +100,8 @@ def shard_batch(batch: dict, topology: Topology, pad_token_id: int = 0) -> dict:
             position_ids = torch.cat([position_ids, tail], dim=1)
     if position_ids is None:
         position_ids = torch.arange(Sp, device=input_ids.device).unsqueeze(0).expand(B, Sp)
-    start, end = chunk_bounds(Sp, cp, topology.cp_rank)
-    return {"input_ids": input_ids[:, start:end].contiguous(),
-            "labels": targets[:, start:end].contiguous(),
-            "position_ids": position_ids[:, start:end].contiguous()}
+    shard = {"input_ids": _local(input_ids, topology), "labels": _local(targets, topology),
+             "position_ids": _local(position_ids, topology)}
+    if bool(document_starts(position_ids)[:, 1:].any()):
+        shard[CU_SEQLENS_KEY] = cu_seqlens_of(position_ids)
+    return shard

@@ -7,9 +7,12 @@
 - registers one attention function, "ds_ulysses", with transformers' AttentionInterface and switches
   the model to it. The function reads the CP group from a state object attached to each attention
   module, so the topology is passed explicitly and never stored in a module global;
-- refuses `generate()` and multimodal inputs under CP, and on the first forward checks that the
-  input really is a sequence chunk (global position_ids start at cp_rank * local_len) and that the
-  exchanged length equals the global length, then logs once that CP is active.
+- refuses `generate()` and multimodal inputs under CP, and on every forward checks that every row of the
+  input really is this rank's sequence chunk (its position_ids are those of chunk cp_rank: global positions,
+  or with packed documents the in-document positions the global boundaries give) with one small all_gather
+  of per-row coordinates, and that the exchanged length equals the global length; logs once that CP is active;
+- refuses attention masks and kwargs the CP attention would ignore (a mask that is not plain causal, a
+  left-padded 2D mask, HF's flash varlen kwargs, anything unknown).
 
 HF attention layout: query [B, Hq, s, D], key/value [B, Hkv, s, D] (RoPE already applied on the local
 chunk with global positions); the function returns ([B, s, Hq, D], None).
@@ -18,11 +21,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
 from .attention import ulysses_attention
 from .errors import UnsupportedError
+from .masks import CU_SEQLENS_KEY, positions_in_documents
 from .models import check_model_config
 from .rope import share_global_length
 from .topology import Topology
@@ -39,45 +44,144 @@ class CPState:
     """What the registered attention function needs, attached to each attention module."""
     topology: Topology
     backend: str = "auto"
-    expected_global_len: int = 0  # set by the first-forward check
-    verified: bool = field(default=False)
+    expected_global_len: int = 0  # set by the input check of each forward
+    max_seqlen: Optional[int] = None  # the longest packed document of this forward (varlen kernels need it)
+    logged: bool = field(default=False)
 
 
-def _cp_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+# kwargs HF's attention modules hand every attention function that the CP path may ignore: RoPE is applied
+# before the call (position_ids), CP runs no KV cache (use_cache; generate() is refused), and the router
+# switch belongs to the MoE layer (output_router_logits). Anything else would be dropped, so it is refused.
+_IGNORABLE_KWARGS = frozenset({"position_ids", "use_cache", "output_router_logits"})
+
+
+def _cp_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
+                  s_aux=None, **kwargs):
     state: CPState = getattr(module, "_cp_state", None)
     if state is None:
         raise UnsupportedError("the ds_ulysses attention was selected on a model that "
                                "enable_context_parallel() did not prepare; call it on this model")
     if dropout:
         raise UnsupportedError("attention dropout is not supported under context parallelism; set attention_dropout=0")
+    cu_seqlens = kwargs.pop(CU_SEQLENS_KEY, None)
+    unknown = sorted(set(kwargs) - _IGNORABLE_KWARGS)
+    if unknown:
+        raise UnsupportedError(
+            f"the context-parallel attention was handed {unknown}, which it would ignore. Packed documents are "
+            "given as position_ids restarting at 0 for each document: pass the dict shard_batch() returns to the "
+            "model as is (it adds the global document boundaries), or run with parallelism.cp=1")
+    if attention_mask is not None and not _is_plain_causal(attention_mask, query.shape[2]):
+        raise UnsupportedError(
+            f"the context-parallel attention got an attention mask ({tuple(attention_mask.shape)}) that is not "
+            "plain causal; it runs causal attention over the whole sequence and would ignore it. Give no mask "
+            "(right padding needs none; packed documents go as position_ids restarting at 0 through "
+            "shard_batch()), or run with parallelism.cp=1")
     q_BsHD, k_BsHD, v_BsHD = (t.transpose(1, 2) for t in (query, key, value))
     # right padding only (shard_batch enforces it), so a causal kernel needs no mask: real tokens never
     # attend to the trailing pads, and HF builds no mask for a custom attention name.
     def core():
         return ulysses_attention(q_BsHD, k_BsHD, v_BsHD, group=state.topology.cp_group, causal=True,
-                                 softmax_scale=scaling, backend=state.backend)
+                                 softmax_scale=scaling, backend=state.backend, cu_seqlens=cu_seqlens,
+                                 max_seqlen=state.max_seqlen, window=sliding_window, sinks=s_aux)
     # a memory policy may own how the core runs (memory/except_attention.py keeps it out of recompute)
     wrapper = module.__dict__.get("core_attention_wrapper")
     out = core() if wrapper is None else wrapper(core)
-    if not state.verified:
-        _verify_once(state, q_BsHD.shape[1])
+    _verify_length(state, q_BsHD.shape[1])
     return out, None
 
 
-def _verify_once(state: CPState, local_len: int) -> None:
+def _is_plain_causal(mask: torch.Tensor, s: int) -> bool:
+    """A [.., s, s] mask that keeps exactly k <= q (bool True / additive 0) and removes the rest."""
+    if mask.dim() != 4 or tuple(mask.shape[-2:]) != (s, s):
+        return False
+    keep = mask if mask.dtype == torch.bool else mask == 0
+    tril = torch.ones(s, s, dtype=torch.bool, device=mask.device).tril()
+    if mask.dtype != torch.bool and not bool((mask.masked_select(~keep) <= torch.finfo(mask.dtype).min / 2).all()):
+        return False  # an additive bias that only dampens would change the softmax
+    return bool((keep == tril).all())
+
+
+def _verify_length(state: CPState, local_len: int) -> None:
     exchanged = local_len * state.topology.cp_size
     if state.expected_global_len and exchanged != state.expected_global_len:
         raise RuntimeError(f"context parallelism is not active: attention saw {exchanged} tokens after "
                            f"the exchange, the batch holds {state.expected_global_len}")
-    state.verified = True
-    if state.topology.rank == 0:
+    if not state.logged and state.topology.rank == 0:
         log.info("context parallel active: cp=%d, local length %d, global length %d after the exchange",
                  state.topology.cp_size, local_len, exchanged)
+    state.logged = True
 
 
 def _register_attention() -> None:
     from transformers import AttentionInterface
     AttentionInterface.register(ATTN_NAME, _cp_attention)
+
+
+# what each rank tells the others about its input, every forward (one all_gather of these int64s)
+_COORDS = ("local_len", "rows", "bad_row", "bad_row_start", "num_bounds", "bound_total", "max_doc",
+           "mask_has_pad", "mask_has_real", "mask_has_hole")
+
+
+def _local_coords(position_ids: torch.Tensor, local_len: int, rows: int, cu_seqlens, mask2d, state) -> torch.Tensor:
+    """This rank's input, checked row by row against the chunk it must hold; all on the input's device."""
+    cp, r = state.topology.cp_size, state.topology.cp_rank
+    pos = position_ids.expand(rows, local_len)
+    dev = pos.device
+    if cu_seqlens is None:
+        expected = r * local_len + torch.arange(local_len, device=dev)
+        bounds = torch.tensor([-1, -1, 0], device=dev)
+    else:
+        cu = cu_seqlens.to(dev).long()
+        total = rows * local_len * cp
+        sane = cu.numel() >= 2 and int(cu.numel()) <= total + 1
+        if not sane:  # a malformed cu_seqlens cannot be expanded below; report it through the bound count
+            expected = torch.full_like(pos, -1)
+        else:
+            full = positions_in_documents(cu.clamp(0, total), rows, local_len * cp)
+            expected = full[:, r * local_len:(r + 1) * local_len]
+        bounds = torch.stack([cu.new_tensor(cu.numel()), cu[-1], (cu[1:] - cu[:-1]).max()])
+    bad = (pos != expected).any(dim=1)
+    bad_row = torch.where(bad.any(), bad.int().argmax(), torch.tensor(-1, device=dev))
+    bad_start = pos[bad_row.clamp_min(0), 0]
+    if mask2d is None:
+        flags = torch.zeros(3, dtype=torch.long, device=dev)
+    else:
+        real = mask2d != 0
+        hole = (real[:, 1:] & ~real[:, :-1]).any()  # a real token after a pad inside this chunk
+        flags = torch.stack([(~real).any(), real.any(), hole]).long()
+    return torch.cat([torch.tensor([local_len, rows], device=dev), bad_row.view(1).long(), bad_start.view(1).long(),
+                      bounds.long(), flags.to(dev)])
+
+
+def _check_every_row(state: CPState, position_ids, local_len, rows, cu_seqlens, mask2d) -> None:
+    """Every rank checks every rank's rows, so all raise together instead of hanging in an all-to-all."""
+    cp = state.topology.cp_size
+    coords = _gather_coords(_local_coords(position_ids, local_len, rows, cu_seqlens, mask2d, state), state.topology)
+    c = [dict(zip(_COORDS, rank_coords)) for rank_coords in coords]
+    for key, what in (("local_len", "tokens"), ("rows", "rows"), ("num_bounds", "document boundaries"),
+                      ("bound_total", "tokens in its document boundaries")):
+        if len({ci[key] for ci in c}) > 1:
+            raise UnsupportedError(f"the CP ranks got different numbers of {what} ({[ci[key] for ci in c]}): the "
+                                   "input is not one batch split by shard_batch(). Use shard_batch()")
+    if cu_seqlens is not None and c[0]["bound_total"] != rows * local_len * cp:
+        raise UnsupportedError(f"{CU_SEQLENS_KEY} covers {c[0]['bound_total']} tokens, the batch holds "
+                               f"{rows * local_len * cp} ({rows} rows of {local_len * cp}): it is not this batch's. "
+                               "Use shard_batch()")
+    for r, ci in enumerate(c):
+        if ci["bad_row"] >= 0:
+            where = (f"document positions from {CU_SEQLENS_KEY}" if cu_seqlens is not None
+                     else f"positions {r * local_len}..{(r + 1) * local_len - 1}")
+            raise UnsupportedError(
+                f"CP rank {r} row {ci['bad_row']} has position_ids starting at {ci['bad_row_start']}, not the "
+                f"{where} of chunk {r} ({local_len} tokens each): the input is not this rank's sequence "
+                "chunk. Use shard_batch()")
+    has_pad = [ci["mask_has_pad"] for ci in c]
+    if any(ci["mask_has_hole"] for ci in c) or any(c[r]["mask_has_real"] and any(has_pad[:r]) for r in range(cp)):
+        raise UnsupportedError("the attention_mask has a pad before a real token (left padding or holes); the "
+                               "context-parallel attention is causal and ignores the mask, which is exact for right "
+                               "padding only. Right-pad (data.padding_side=right) or pack through shard_batch()")
+    state.expected_global_len = local_len * cp
+    state.max_seqlen = c[0]["max_doc"] if cu_seqlens is not None else None
 
 
 def _first_forward_check(state: CPState):
@@ -86,40 +190,28 @@ def _first_forward_check(state: CPState):
             if kwargs.get(key) is not None:
                 raise UnsupportedError(f"multimodal input {key!r} is not supported under context parallelism; "
                                        "train the text model only or run with parallelism.cp=1")
-        if state.verified:
-            return None
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         inputs = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
         position_ids = kwargs.get("position_ids")
-        cp = state.topology.cp_size
         if position_ids is None:
             raise UnsupportedError("under context parallelism the model needs global position_ids; "
                                    "feed the batch produced by shard_batch()")
-        local_len = inputs.shape[1]
-        starts, lengths = _gather_chunk_coords(int(position_ids[0, 0]), local_len, state.topology)
-        # every rank checks every rank's chunk, so all raise together instead of hanging in an all-to-all
-        for r in range(cp):
-            if lengths[r] != local_len or starts[r] != r * local_len:
-                raise UnsupportedError(
-                    f"CP rank {r} got {lengths[r]} tokens with position_ids starting at {starts[r]}, expected "
-                    f"{local_len} starting at {r * local_len}: the input is not this rank's sequence chunk. "
-                    "Use shard_batch()")
-        state.expected_global_len = local_len * cp
+        mask2d = kwargs.get("attention_mask")
+        mask2d = mask2d if isinstance(mask2d, torch.Tensor) and mask2d.dim() == 2 else None
+        _check_every_row(state, position_ids, inputs.shape[1], inputs.shape[0], kwargs.get(CU_SEQLENS_KEY), mask2d)
         return None
     return hook
 
 
-def _gather_chunk_coords(start: int, length: int, topology: Topology) -> tuple[list[int], list[int]]:
-    coords = torch.tensor([start, length], dtype=torch.long)
+def _gather_coords(coords: torch.Tensor, topology: Topology) -> list[list[int]]:
     if topology.cp_size == 1:
-        return [start], [length]
+        return [coords.tolist()]
+    # gloo takes CPU tensors, NCCL the device the model is on; one small gather and one host copy per forward
+    nccl = torch.distributed.get_backend(topology.cp_group) == "nccl"
+    coords = coords.to(torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu")
     gathered = [torch.empty_like(coords) for _ in range(topology.cp_size)]
-    # runs once per model; CPU tensors work on gloo, and NCCL needs the device the model is on
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-    if device is not None and torch.distributed.get_backend(topology.cp_group) == "nccl":
-        coords, gathered = coords.to(device), [g.to(device) for g in gathered]
     torch.distributed.all_gather(gathered, coords, group=topology.cp_group)
-    return [int(g[0]) for g in gathered], [int(g[1]) for g in gathered]
+    return torch.stack(gathered).tolist()
 
 
 def _refuse_generate(*args, **kwargs):

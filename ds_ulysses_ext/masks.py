@@ -1,0 +1,124 @@
+"""Which keys a query may see: packed-document boundaries, sliding windows, learned sinks; the exact torch path.
+
+Legend: B batch, S global sequence (padded, after the Ulysses exchange), h query heads on this rank,
+hkv KV heads on this rank, D head dim, N documents in the batch, bq queries in one block, L keys in its span.
+
+Documents travel as one flat `cu_seqlens` [N+1] (int32) over the B * S tokens of the batch, the layout the
+varlen kernels take: every row boundary is also a document boundary. It is computed once from the global
+position_ids (shard_batch) and is the same on every CP rank, because after the all-to-all each rank holds the
+whole sequence for its heads.
+
+Key k is visible to query q when (all that apply): k <= q (causal), doc(k) == doc(q) (packing), and
+q - k < window (HF's sliding window: `kv_idx > q_idx - sliding_window`). Sinks add one logit column per query
+head to the softmax (learned, value-free): p = softmax([q.k * scale ..., sink]) without the sink's share.
+
+The torch path walks query blocks so that the boolean mask (and, with sinks, the logits) exist for one block
+at a time, and each block's key span starts at its earliest visible key (the window's reach, its first
+document's start), so a window or short documents make it cheaper, not just masked.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+CU_SEQLENS_KEY = "cp_cu_seqlens"  # the batch key (shard_batch) and attention kwarg (integrate.py) that carry them
+QUERY_BLOCK = 2048  # queries per block of the torch path: bounds its mask to QUERY_BLOCK x key span
+
+
+def document_starts(position_ids_BS: torch.Tensor) -> torch.Tensor:
+    """[B, S] bool: True where a new document begins (HF's packing rule: a step that is not +1, and column 0)."""
+    starts = torch.ones_like(position_ids_BS, dtype=torch.bool)
+    starts[:, 1:] = position_ids_BS[:, 1:] - position_ids_BS[:, :-1] != 1
+    return starts
+
+
+def is_packed(position_ids_BS: torch.Tensor) -> bool:
+    return bool(document_starts(position_ids_BS)[:, 1:].any())
+
+
+def cu_seqlens_of(position_ids_BS: torch.Tensor) -> torch.Tensor:
+    """[B, S] global position_ids -> [N+1] int32 flat document boundaries over the B * S tokens."""
+    flat = document_starts(position_ids_BS).reshape(-1).nonzero().flatten()
+    total = torch.tensor([position_ids_BS.numel()], device=flat.device)
+    return torch.cat([flat, total]).to(torch.int32)
+
+
+def document_ids(cu_seqlens: torch.Tensor, B: int, S: int) -> torch.Tensor:
+    """[N+1] boundaries -> [B, S] int64 document index of every token (unique across rows)."""
+    tokens = torch.arange(B * S, device=cu_seqlens.device)
+    return (torch.searchsorted(cu_seqlens[1:].long(), tokens, right=True)).reshape(B, S)
+
+
+def positions_in_documents(cu_seqlens: torch.Tensor, B: int, S: int) -> torch.Tensor:
+    """[B, S] position of every token inside its document: what restarting position_ids must hold."""
+    tokens = torch.arange(B * S, device=cu_seqlens.device)
+    doc = document_ids(cu_seqlens, B, S).reshape(-1)
+    return (tokens - cu_seqlens.long()[doc]).reshape(B, S)
+
+
+def _block_mask(q_idx, k_idx, doc_BS, window, causal):
+    # [bq], [L] global indices -> [B|1, 1, bq, L] bool, True = visible
+    rel = q_idx[:, None] - k_idx[None, :]
+    mask = rel >= 0 if causal else torch.ones_like(rel, dtype=torch.bool)
+    if window is not None:
+        mask = mask & (rel < window)
+    mask = mask[None, None]
+    if doc_BS is not None:
+        mask = mask & (doc_BS[:, q_idx][:, None, :, None] == doc_BS[:, k_idx][:, None, None, :])
+    return mask
+
+
+def _with_sinks(q, k, v, mask, sinks_h, scale):
+    # explicit softmax with one extra logit column per head; at least fp32, as the kernels keep it
+    acc = torch.promote_types(q.dtype, torch.float32)
+    logits = torch.matmul(q, k.transpose(-1, -2)).to(acc) * scale
+    logits = logits.masked_fill(~mask, float("-inf"))
+    B, h, bq, _ = logits.shape
+    sink = sinks_h.to(acc).reshape(1, h, 1, 1).expand(B, h, bq, 1)
+    probs = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v)
+
+
+def masked_attention(q_BShD: torch.Tensor, k_BShD: torch.Tensor, v_BShD: torch.Tensor, *, causal: bool = True,
+                     softmax_scale: Optional[float] = None, cu_seqlens: Optional[torch.Tensor] = None,
+                     window: Optional[int] = None, sinks: Optional[torch.Tensor] = None,
+                     block: int = QUERY_BLOCK) -> torch.Tensor:
+    """Exact attention with documents, a window and/or sinks, in torch ([B, S, h, D] in and out).
+
+    sinks: [h], one logit per query head of THIS tensor (a CP rank passes its heads' slice).
+    """
+    B, S, h, D = q_BShD.shape
+    hkv = k_BShD.shape[2]
+    if window is not None and not causal:
+        raise ValueError("a sliding window is defined for causal attention only")
+    scale = D ** -0.5 if softmax_scale is None else softmax_scale
+    q, k, v = (t.transpose(1, 2) for t in (q_BShD, k_BShD, v_BShD))  # [B h S D]
+    if sinks is not None and hkv != h:
+        # the explicit path multiplies per head; SDPA's enable_gqa covers the other path
+        k, v = k.repeat_interleave(h // hkv, dim=1), v.repeat_interleave(h // hkv, dim=1)
+    doc_BS = document_ids(cu_seqlens, B, S) if cu_seqlens is not None else None
+    first_key = None
+    if doc_BS is not None:
+        # earliest key any row's query at index i may see: its document's first token. Nondecreasing in i,
+        # so a block's earliest is its first query's; one host copy per call, not one per block
+        first_key = (torch.arange(S, device=q.device) - positions_in_documents(cu_seqlens, B, S)).amin(0).tolist()
+    outs = []
+    for qs in range(0, S, block):
+        qe = min(S, qs + block)
+        ks, ke = 0, (qe if causal else S)
+        if window is not None:
+            ks = max(ks, qs - window + 1)
+        if first_key is not None:
+            ks = max(ks, first_key[qs])
+        q_idx = torch.arange(qs, qe, device=q.device)
+        k_idx = torch.arange(ks, ke, device=q.device)
+        mask = _block_mask(q_idx, k_idx, doc_BS, window, causal)
+        qb, kb, vb = q[:, :, qs:qe], k[:, :, ks:ke], v[:, :, ks:ke]
+        if sinks is not None:
+            outs.append(_with_sinks(qb, kb, vb, mask, sinks, scale))
+        else:
+            outs.append(F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale,
+                                                       enable_gqa=h != hkv))
+    return torch.cat(outs, dim=2).transpose(1, 2)

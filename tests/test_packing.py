@@ -1,0 +1,118 @@
+"""Packed rows (position_ids restarting at 0 per document) under CP against two references (fp32, rel 1e-5).
+
+References, both stock HF on one process: (1) the unsplit packed row (HF builds its own block-diagonal
+mask from the restarting position_ids), and (2) every document run on its own, the independent one: the
+objective is the sum of the documents' token cross-entropies over their counted targets. The rows hold
+documents whose lengths cp does not divide, one cut by a chunk boundary at every cp, masked spans, and a
+batch of two rows with different document layouts.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cp_reference import cp_loss_and_grads, rel
+from dist_harness import run_ranks
+from ds_ulysses_ext import Topology, enable_context_parallel, init_topology, shard_batch
+from ds_ulysses_ext.masks import cu_seqlens_of
+from tiny_models import tiny_model
+
+RTOL = 1e-5
+DOCS = [[5, 4, 4], [3, 7, 3]]  # two rows of 13 tokens: 13 is a multiple of neither 2 nor 4
+
+
+def packed_batch():
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 96, (2, 13), generator=g)
+    labels = ids.clone()
+    labels[0, :2] = -100     # a masked span opening the first document
+    labels[1, 4:6] = -100    # and one inside the second row's long document
+    pos = torch.cat([torch.cat([torch.arange(n) for n in row])[None] for row in DOCS])
+    return {"input_ids": ids, "labels": labels, "position_ids": pos}
+
+
+def _ce_sum(logits, labels):
+    # token cross-entropy sum of ONE document: its own shift, nothing crosses its end
+    return F.cross_entropy(logits[:-1], labels[1:], ignore_index=-100, reduction="sum"), int((labels[1:] != -100).sum())
+
+
+def reference_per_document(family, **overrides):
+    model = tiny_model(family, **overrides)
+    b = packed_batch()
+    total, count = 0.0, 0
+    for row, lengths in enumerate(DOCS):
+        start = 0
+        for n in lengths:
+            ids, labels = b["input_ids"][row, start:start + n], b["labels"][row, start:start + n]
+            s, c = _ce_sum(model(input_ids=ids[None]).logits[0], labels)
+            total, count, start = total + s, count + c, start + n
+    loss = total / count
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def reference_packed_row(family, **overrides):
+    model = tiny_model(family, **overrides)
+    b = packed_batch()
+    # use_cache=False: with a cache HF skips its packed-sequence mask (masking_utils)
+    logits = model(input_ids=b["input_ids"], position_ids=b["position_ids"], use_cache=False).logits
+    total, count = 0.0, 0
+    for row, lengths in enumerate(DOCS):
+        start = 0
+        for n in lengths:
+            s, c = _ce_sum(logits[row, start:start + n], b["labels"][row, start:start + n])
+            total, count, start = total + s, count + c, start + n
+    loss = total / count
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _check_packed(rank, world, family, overrides):
+    refs = [reference_per_document(family, **overrides), reference_packed_row(family, **overrides)]
+    topo = init_topology(world)
+    model = enable_context_parallel(tiny_model(family, **overrides), topo, backend="sdpa")
+    loss, grads = cp_loss_and_grads(model, topo, packed_batch())
+    for what, (ref_loss, ref_grads) in zip(("per document", "packed row"), refs):
+        assert rel(loss, ref_loss) < RTOL, (what, loss, ref_loss)
+        for name, g in grads.items():
+            assert rel(g, ref_grads[name]) < RTOL, (what, name, rel(g, ref_grads[name]))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_packed_rows_match_each_document_alone(world, family):
+    run_ranks(_check_packed, world, family, {})
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_packed_rows_single_rank(family):
+    _check_packed(0, 1, family, {})
+
+
+def test_packed_rows_with_a_sliding_window():
+    # window 3 is shorter than the 7-token document: window and document boundaries both bound a query's keys
+    run_ranks(_check_packed, 2, "qwen3", {"use_sliding_window": True, "sliding_window": 3, "max_window_layers": 1})
+
+
+def test_labels_never_cross_a_document_boundary():
+    ids = torch.arange(10, 18)[None]                   # documents [10 11 12] [13 14] [15 16 17]
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2]])
+    shards = [shard_batch({"input_ids": ids, "labels": ids, "position_ids": pos}, Topology(2, r, 2, 1)) for r in (0, 1)]
+    assert torch.cat([s["labels"] for s in shards], 1).tolist() == [[11, 12, -100, 14, -100, 16, 17, -100]]
+    assert torch.cat([s["position_ids"] for s in shards], 1).tolist() == pos.tolist()
+    for s in shards:  # the global boundaries, on every rank
+        assert s["cp_cu_seqlens"].tolist() == [0, 3, 5, 8]
+
+
+def test_boundaries_span_rows_and_padding():
+    # two rows of 5 padded to 6 at cp=2: pads continue the last document; each row starts one
+    pos = torch.tensor([[0, 1, 0, 1, 2], [0, 1, 2, 3, 4]])
+    out = shard_batch({"input_ids": torch.ones(2, 5, dtype=torch.long), "position_ids": pos}, Topology(2, 1, 2, 1))
+    assert out["cp_cu_seqlens"].tolist() == [0, 2, 6, 12]
+    assert out["position_ids"].tolist() == [[1, 2, 3], [3, 4, 5]]
+    assert cu_seqlens_of(torch.arange(4)[None].expand(2, 4)).tolist() == [0, 4, 8]
+
+
+def test_one_document_per_row_adds_no_boundaries():
+    out = shard_batch({"input_ids": torch.ones(2, 6, dtype=torch.long), "position_ids": torch.arange(6)[None]},
+                      Topology(2, 0, 2, 1))
+    assert set(out) == {"input_ids", "labels", "position_ids"}
