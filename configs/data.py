@@ -31,3 +31,6 @@ class DataConfig:
     # Only "right" is accepted: labels are shifted on the full sequence before the cp split, which assumes
     # the real tokens start at position 0 and padding sits at the end.
     padding_side: str = "right"
+    # Pack samples greedily into rows of seq_len tokens (engine/data/packing.py); documents never attend to or
+    # predict each other. trainer.global_batch_size then counts rows. The rows do not depend on the layout.
+    pack: bool = False

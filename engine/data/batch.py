@@ -18,7 +18,9 @@ def collate(samples: list[dict], seq_len: int, pad_id: int) -> dict:
     """Right-pads every sample to exactly `seq_len` (not to a multiple of cp: sharding does that later).
 
     Returns `input_ids` (pad = `pad_id`), `labels` (pad = -100) and `attention_mask` (1 real, 0 pad), all
-    `[B, seq_len]` long. A fixed width keeps every micro-batch the same shape whatever the layout.
+    `[B, seq_len]` long. A fixed width keeps every micro-batch the same shape whatever the layout. Packed rows
+    (data.pack, packing.py) also carry `position_ids`, restarting per document; the pads continue the last
+    document's positions, so they open no document of their own.
     """
     if not samples:
         raise DataError("collate got an empty list of samples; a micro-batch needs at least one sample")
@@ -26,6 +28,8 @@ def collate(samples: list[dict], seq_len: int, pad_id: int) -> dict:
     input_ids = torch.full((b, seq_len), pad_id, dtype=torch.long)
     labels = torch.full((b, seq_len), IGNORE_INDEX, dtype=torch.long)
     attention_mask = torch.zeros((b, seq_len), dtype=torch.long)
+    packed = "position_ids" in samples[0]
+    position_ids = torch.zeros((b, seq_len), dtype=torch.long) if packed else None
     for row, s in enumerate(samples):
         n = s["input_ids"].numel()
         if s["labels"].numel() != n:
@@ -38,7 +42,13 @@ def collate(samples: list[dict], seq_len: int, pad_id: int) -> dict:
         input_ids[row, :n] = s["input_ids"]
         labels[row, :n] = s["labels"]
         attention_mask[row, :n] = 1
-    return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
+        if packed:
+            position_ids[row, :n] = s["position_ids"]
+            position_ids[row, n:] = s["position_ids"][-1] + torch.arange(1, seq_len - n + 1)
+    out = {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
+    if packed:
+        out["position_ids"] = position_ids
+    return out
 
 
 def count_target_tokens(labels_unshifted: torch.Tensor) -> int:

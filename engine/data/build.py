@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 from .errors import DataError
 from .jsonl import load_jsonl
+from .packing import pack_dataset
 from .stats import DataStats
 from .synthetic import SyntheticDataset
 from .tokenizer import DEMO_CORPUS, DEMO_TOKENIZER, check_tokenizer_fits, tokenizer_of
@@ -26,6 +27,14 @@ _CHOICES = {
 
 
 def build_dataset(cfg: Any, *, seed: int, vocab_size: int) -> tuple[Sequence[dict], DataStats, Optional[Any]]:
+    """The samples of `_build_samples`, or with `cfg.pack` the rows they pack into (packing.py)."""
+    ds, stats, tokenizer = _build_samples(cfg, seed=seed, vocab_size=vocab_size)
+    if getattr(cfg, "pack", False):
+        ds, stats = pack_dataset(ds, stats, cfg)
+    return ds, stats, tokenizer
+
+
+def _build_samples(cfg: Any, *, seed: int, vocab_size: int) -> tuple[Sequence[dict], DataStats, Optional[Any]]:
     """Returns (dataset, stats, tokenizer or None for synthetic).
 
     Each item is `{"input_ids": LongTensor[L], "labels": LongTensor[L]}`, 1 <= L <= cfg.seq_len, labels

@@ -20,6 +20,11 @@ class DataStats:
     # Targets after the causal shift over kept samples; None where counting would mean generating every sample
     # (the lazy synthetic dataset).
     num_target_tokens: Optional[int] = None
+    # data.pack=true: the samples above are packed into num_rows rows of pack_seq_len tokens; efficiency is
+    # real tokens / (rows x seq_len)
+    num_rows: int = 0
+    pack_seq_len: int = 0
+    pack_efficiency: Optional[float] = None
 
     def summary(self) -> str:
         parts = [
@@ -33,6 +38,9 @@ class DataStats:
         ]
         if self.num_lines:
             parts.insert(1, f"{self.num_lines:,} lines read")
+        if self.pack_efficiency is not None:
+            parts.append(f"packed into {self.num_rows:,} rows of {self.pack_seq_len:,} tokens "
+                         f"(packing efficiency {self.pack_efficiency:.1%})")
         if self.num_chat_boundary_mismatches:
             parts.append(f"{self.num_chat_boundary_mismatches:,} chat boundary mismatches")
         return ", ".join(parts)

@@ -1,0 +1,27 @@
+"""scripts/train.py with data.pack=true: the same loss and grad_norm at world 1 and at w2 cp2 (fp32, rel 1e-5).
+
+The documents are short lines of the shipped tokenizer's text (3 to 29 words), packed into 48-token rows, so
+every row holds several documents and document boundaries fall inside and across the cp chunks.
+"""
+import json
+import random
+
+from test_engine import ROOT, assert_same_trajectory, train
+
+
+def _docs(path):
+    words = "the grass is green and the sky is blue while a small river runs past the old mill".split()
+    rng = random.Random(0)
+    with open(path, "w") as f:
+        for _ in range(64):
+            f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(3, 29)))}) + "\n")
+
+
+def test_packed_runs_match_across_layouts(tmp_path):
+    _docs(tmp_path / "docs.jsonl")
+    extra = ["data=jsonl", f"data.path={tmp_path / 'docs.jsonl'}",
+             f"data.tokenizer_path={ROOT / 'engine' / 'demo_data' / 'tokenizer'}", "data.seq_len=48", "data.pack=true",
+             "trainer.max_steps=3"]
+    ref = train(tmp_path, "w1", 1, extra + ["parallelism.cp=1"])
+    assert len({r["loss"] for r in ref}) == 3
+    assert_same_trajectory(train(tmp_path, "w2_cp2", 2, extra + ["parallelism.cp=2"]), ref, "packed, w2 cp2")
