@@ -7,18 +7,19 @@ these families' attention modules pass, and run exactly there (masks.py); every 
 
 SUPPORTED is the one list of families: configs/model.py reads it, so `validate` and the model build cannot
 disagree. Adding a family is one `Family(...)` line here; `moe` marks families with expert layers (the config
-layer allows parallelism.ep only for them); `notes` says what a config of the family needs under CP and is
-part of the refusal when a config of it fails a check. Under CP the experts of qwen3_moe run unsplit on every
-rank (only attention is split).
+layer allows parallelism.ep only for them); `notes`, when given, says how the family runs under CP and is
+logged when CP is enabled on a model of it.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from .errors import UnsupportedError
 from .layout import kv_replication
 from .rope import check_rope
 
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -51,4 +52,6 @@ def check_model_config(config, cp: int) -> None:
     num_q = config.num_attention_heads
     num_kv = getattr(config, "num_key_value_heads", None) or num_q
     kv_replication(num_q, num_kv, cp)  # raises with the valid cp values
+    if SUPPORTED[model_type].notes:
+        log.info("%s under context parallelism (cp=%d): %s", model_type, cp, SUPPORTED[model_type].notes)
 

@@ -1,0 +1,141 @@
+"""Every RoPE type transformers 5.22 defines, under CP (cp = 2, 4), against the unsplit model (fp32, rel 1e-5).
+
+The batch (16 tokens) is longer than each type's pretraining length (8, or 4 for yarn / llama3), so `dynamic`
+grows its base and `longrope` takes its long factors in the unsplit model while a rank's chunk alone would not
+(rank 0 sees positions < 8 at cp=2): without the global length those ranks rotate differently. 16 is a multiple
+of 2 and 4, so no pads enter the length (configs/validate.py asks for that for these two types).
+Compared: this rank's chunk of the logits, the loss, and every parameter gradient summed over the CP group.
+Types outside the checked list are refused at model time (and at config time: tests/test_configs.py).
+"""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from transformers import modeling_rope_utils
+
+from dist_harness import run_ranks
+from ds_ulysses_ext import (CPCausalLM, Topology, UnsupportedError, enable_context_parallel, init_topology,
+                            shard_batch)
+from ds_ulysses_ext.layout import chunk_bounds
+from tiny_models import tiny_model
+
+RTOL = 1e-5
+S = 16
+HALF = 4  # head_dim 8 / 2: one factor per rotated frequency
+
+ROPE = {  # rope_parameters as a user writes them; max_position_embeddings is set next to each
+    "default": ({"rope_type": "default"}, 8),
+    "linear": ({"rope_type": "linear", "factor": 2.0}, 8),
+    "dynamic": ({"rope_type": "dynamic", "factor": 2.0}, 8),
+    "yarn": ({"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 4}, 8),
+    "longrope": ({"rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 3.0], "long_factor": [2.0, 4.0, 6.0, 9.0],
+                  "original_max_position_embeddings": 8}, 8),
+    "llama3": ({"rope_type": "llama3", "factor": 2.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 4}, 8),
+    "proportional": ({"rope_type": "proportional", "factor": 2.0, "partial_rotary_factor": 0.5}, 8),
+}
+# each type on llama; the two that read the length on qwen3 too (its own rotary class), one of them spelt the
+# pre-transformers-5 way (rope_scaling with `type`)
+CASES = [("llama", t, "rope_parameters") for t in ROPE] + [("qwen3", "dynamic", "rope_scaling"),
+                                                           ("qwen3", "longrope", "rope_parameters")]
+
+
+def _model(family, rope_type, key):
+    params, max_pos = ROPE[rope_type]
+    params = dict(params)
+    if key == "rope_scaling":
+        params["type"] = params.pop("rope_type")
+    return tiny_model(family, max_position_embeddings=max_pos, **{key: params})
+
+
+def _batch():
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 96, (2, S), generator=g)
+    labels = ids.clone()
+    labels[0, :3] = -100
+    return ids, labels
+
+
+def _rel(a, b):
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _reference(case):
+    model = _model(*case)
+    ids, labels = _batch()
+    logits = model(input_ids=ids).logits
+    loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+    loss.backward()
+    return logits.detach(), loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _check_case(rank, world, case):
+    ref_logits, ref_loss, ref_grads = _reference(case)
+    topo = init_topology(world)
+    model = enable_context_parallel(_model(*case), topo, backend="sdpa")
+    ids, labels = _batch()
+    local = shard_batch({"input_ids": ids, "labels": labels}, topo)
+    start, end = chunk_bounds(S, world, topo.cp_rank)
+    with torch.no_grad():
+        logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
+    assert _rel(logits, ref_logits[:, start:end]) < RTOL, (case, rank, _rel(logits, ref_logits[:, start:end]))
+    loss_sum, count = CPCausalLM(model)(**local)
+    global_count = count.clone()
+    dist.all_reduce(global_count, group=topo.cp_group)
+    share = loss_sum / global_count
+    share.backward()
+    total = share.detach().clone()
+    dist.all_reduce(total, group=topo.cp_group)
+    assert _rel(total, ref_loss) < RTOL, (case, total, ref_loss)
+    for name, p in model.named_parameters():
+        grad = p.grad.clone()
+        dist.all_reduce(grad, group=topo.cp_group)
+        assert _rel(grad, ref_grads[name]) < RTOL, (case, name, _rel(grad, ref_grads[name]))
+
+
+def _check_all(rank, world):
+    for case in CASES:  # one process group for every case: forking the ranks costs more than a case
+        _check_case(rank, world, case)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_rope_type_under_cp_matches_unsplit(world):
+    run_ranks(_check_all, world)
+
+
+def test_the_cases_cover_every_rope_type_transformers_defines():
+    from ds_ulysses_ext.rope import CP_ROPE_TYPES
+    assert set(ROPE) == {"default", *modeling_rope_utils.ROPE_INIT_FUNCTIONS}  # a new HF type fails here first
+    assert set(ROPE) == set(CP_ROPE_TYPES)
+
+
+def test_the_length_dependent_types_really_differ_per_chunk():
+    # the premise of the test above: at rank 0's chunk length the unsplit model's frequencies would differ
+    for rope_type in ("dynamic", "longrope"):
+        alone, whole = _model("llama", rope_type, "rope_parameters"), _model("llama", rope_type, "rope_parameters")
+        x = torch.zeros(1, 1, 8)
+        cos_alone, _ = alone.model.rotary_emb(x, torch.arange(S // 2).unsqueeze(0))
+        cos_whole, _ = whole.model.rotary_emb(x, torch.arange(S).unsqueeze(0))
+        assert _rel(cos_alone, cos_whole[:, : S // 2]) > 1e-3, rope_type
+
+
+CP2 = Topology(world_size=2, rank=0, cp_size=2, dp_size=1)  # the refusal comes before any collective
+
+
+def _static_rope(config, device=None, **kwargs):
+    return modeling_rope_utils.ROPE_INIT_FUNCTIONS["linear"](config, device)
+
+
+@pytest.mark.parametrize("key", ["rope_parameters", "rope_scaling"])
+def test_unchecked_rope_type_is_refused_at_enable_time(monkeypatch, key):
+    # a user's own rope type: whether it reads the sequence length is not known, so it is refused under cp
+    monkeypatch.setitem(modeling_rope_utils.ROPE_INIT_FUNCTIONS, "my_rope", _static_rope)
+    model = tiny_model("llama", **{key: {"rope_type": "my_rope", "factor": 2.0}})
+    with pytest.raises(UnsupportedError, match=r"rope_type 'my_rope' is not one of the RoPE types checked under "
+                                               r"context parallelism \['default', 'linear', 'yarn', 'llama3', "
+                                               r"'proportional', 'dynamic', 'longrope'\].*Set rope_parameters "
+                                               r"\(or rope_scaling\) to one of those types, or run with "
+                                               r"parallelism\.cp=1"):
+        enable_context_parallel(model, CP2)
+    enable_context_parallel(tiny_model("llama", **{key: {"rope_type": "my_rope", "factor": 2.0}}),
+                            Topology(1, 0, 1, 1))  # cp=1: the model runs unsplit, as HF's
