@@ -50,7 +50,7 @@ def test_a_mask_that_is_not_plain_causal_is_refused():
     with pytest.raises(UnsupportedError, match="attention mask .* not plain causal.*position_ids restarting at 0"):
         model(input_ids=ids, position_ids=pos, attention_mask=block)
     with pytest.raises(UnsupportedError, match="not plain causal"):  # a bias that only dampens changes the softmax
-        model(input_ids=ids, position_ids=pos, attention_mask=additive.masked_fill(causal, -1.0))
+        model(input_ids=ids, position_ids=pos, attention_mask=torch.zeros(1, 1, 6, 6).masked_fill(~causal, -1.0))
 
 
 def test_a_left_padded_2d_mask_is_refused():

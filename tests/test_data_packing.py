@@ -15,6 +15,8 @@ def test_best_fit_rows_by_hand():
     # 5 opens row 0 (room 3); 3 fills it; 4 opens row 1 (room 4); 2 goes there (room 2); 6 opens row 2
     # (room 2); 1 takes the best fit, the older of the two rooms of 2: row 1
     assert pack_rows([5, 3, 4, 2, 6, 1], 8) == [[0, 1], [2, 3, 5], [4]]
+    # best fit, not first fit: 2 goes to the row with room 2 (row 1), not the older one with room 3
+    assert pack_rows([5, 6, 2], 8) == [[0], [1, 2]]
 
 
 def test_a_packed_row_restarts_positions_and_counts_each_documents_targets():
