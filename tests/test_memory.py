@@ -1,4 +1,4 @@
-"""Memory policies (recompute, offload, tiled MLP) change memory, never the numbers (DESIGN 3.1).
+"""Memory policies (recompute, offload, tiled MLP) change memory, never the numbers (docs/design.md).
 
 - single process: every policy's loss and gradients equal the no-policy model's (fp32, rel 1e-5),
   remove() restores the model bit for bit, and the policies do keep fewer saved bytes;
@@ -11,12 +11,14 @@
 import glob
 import logging
 import os
+import re
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from omegaconf import OmegaConf
+from transformers.models.llama.modeling_llama import LlamaMLP
 
 from configs.memory import MemoryConfig
 from dist_harness import patch_deepspeed_shm_build, run_ranks
@@ -79,8 +81,8 @@ def test_policy_is_exact_and_removable(case):
     topo = init_topology(1)
     lm = _lm(topo)
     local = shard_batch(dict(zip(("input_ids", "labels"), _batch())), topo)
-    before = _snapshot(lm)
     ref_loss, ref_grads = _run(lm, local)
+    before = _snapshot(lm)  # after a forward: what CPCausalLM's own forward records is no policy's patch
 
     policies = [p.apply(lm.hf) for p in make()]
     assert _patched(lm) == sorted(patched)
@@ -183,6 +185,61 @@ def test_wrong_order_is_refused_and_leaves_no_patch():
         inner.remove()                     # would drop the outer wrapper with it
     remove_all([tiled, inner, outer])
     assert _snapshot(lm) == before
+
+
+# ---------------------------------------------------------------- selective recompute: which MLPs it rewrites
+@pytest.mark.parametrize("family, overrides", [("llama", {}), ("llama", {"mlp_bias": True}), ("qwen2", {}),
+                                               ("qwen3", {}), ("mistral", {}),
+                                               ("qwen3_moe", {"mlp_only_layers": [0, 1]})])  # its dense MLPs
+def test_selective_rewrites_every_known_gated_mlp(family, overrides):
+    model = tiny_model(family, **overrides)
+    policy = SelectiveRecompute().apply(model)
+    assert (policy.num_mlps, policy.num_whole_mlps) == (2, 0)
+
+
+class _ClampedBiasedMLP(torch.nn.Module):
+    """A SwiGLU that is not down(act(gate) * up): clamped, with the +1 on up that GPT-OSS's MLP has."""
+
+    def __init__(self, mlp):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj, self.act_fn = mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn
+
+    def forward(self, x):
+        gate, up = self.gate_proj(x).clamp(max=0.05), self.up_proj(x).clamp(-0.05, 0.05)
+        return self.down_proj(self.act_fn(gate) * (up + 1))
+
+
+def _halved_forward(self, x):
+    return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x) * 0.5)
+
+
+class _SubclassedMLP(LlamaMLP):
+    """A LlamaMLP subclass with its own forward: the class name alone must not make it a known MLP."""
+
+    forward = _halved_forward
+
+
+@pytest.mark.parametrize("changed", ["clamped_biased", "subclass", "patched_class"])
+def test_selective_leaves_a_changed_swiglu_whole_and_exact(changed, caplog, monkeypatch):
+    topo = init_topology(1)
+    lm = _lm(topo)
+    if changed == "patched_class":  # LlamaMLP itself, its forward replaced: the class name is not enough
+        monkeypatch.setattr(LlamaMLP, "forward", _halved_forward)
+    for layer in lm.hf.model.layers:
+        if changed == "clamped_biased":
+            layer.mlp = _ClampedBiasedMLP(layer.mlp)
+        elif changed == "subclass":
+            layer.mlp.__class__ = _SubclassedMLP
+    local = shard_batch(dict(zip(("input_ids", "labels"), _batch())), topo)
+    ref_loss, ref_grads = _run(lm, local)
+    with caplog.at_level(logging.INFO, logger="ds_ulysses_ext.memory.recompute"):
+        policy = SelectiveRecompute().apply(lm.hf)
+    assert (policy.num_mlps, policy.num_whole_mlps) == (0, LAYERS)
+    assert re.search(rf"{type(lm.hf.model.layers[0].mlp).__qualname__} is not a known down\(act\(gate\) \* up\) "
+                     rf"MLP; its {LAYERS} layers recompute their whole MLP forward instead", caplog.text)
+    loss, grads = _run(lm, local)
+    assert _rel(loss, ref_loss) < RTOL
+    _assert_close_dicts(grads, ref_grads, (changed,))
 
 
 # ---------------------------------------------------------------- budget decision

@@ -1,6 +1,6 @@
 """MemoryPolicy: the base of every activation-memory policy, and the one way policies patch a model.
 
-A policy is a strategy object (research/style.md habit 12): `apply(model)` patches the model and
+A policy is a strategy object: `apply(model)` patches the model and
 returns the policy, which keeps every handle it made; `remove()` undoes exactly that, restoring the
 model attribute by attribute. Policies patch only instance attributes (a module's `forward`), never a
 class, so two models in one process (tests, a reference copy) never see each other's policies.

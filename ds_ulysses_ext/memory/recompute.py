@@ -8,6 +8,9 @@
   num_layers layers, recomputing all of them; here both methods recompute exactly num_layers layers.)
 - `SelectiveRecompute`: keeps matmul outputs and the attention output; recomputes only the RMSNorms and
   the MLP's SiLU(gate) * up product. Never re-runs attention, so never re-issues its all-to-alls.
+  The MLP is rewritten only for the classes in GATED_MLPS, whose forward is exactly down(act(gate) * up);
+  any other MLP with gate/up/down projections (a biased, clamped or otherwise changed SwiGLU) runs its own
+  forward under one checkpoint instead, with a log line, since rewriting it would change the model.
 
 Full and block recompute re-run the attention of a recomputed layer in backward, so they re-issue its 3
 forward all-to-alls there (3 forward + 3 recompute + 3 adjoint per recomputed layer): the price of
@@ -114,8 +117,27 @@ def _is_rms_norm(module: torch.nn.Module) -> bool:
     return type(module).__name__.endswith("RMSNorm")
 
 
-def _is_gated_mlp(module: torch.nn.Module) -> bool:
+# (module, class) of the HF MLPs whose forward is down_proj(act_fn(gate_proj(x)) * up_proj(x)), read in
+# transformers 5.22.2. Matched by exact class and by the class's own forward, so a subclass or a patched
+# forward is not taken for one of them.
+GATED_MLPS = frozenset({
+    ("transformers.models.llama.modeling_llama", "LlamaMLP"),  # mlp_bias lives inside the projections
+    ("transformers.models.qwen2.modeling_qwen2", "Qwen2MLP"),
+    ("transformers.models.qwen3.modeling_qwen3", "Qwen3MLP"),
+    ("transformers.models.mistral.modeling_mistral", "MistralMLP"),
+    ("transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeMLP"),  # qwen3_moe's dense layers
+})
+
+
+def _looks_gated(module: torch.nn.Module) -> bool:
     return all(hasattr(module, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+
+
+def _is_known_gated_mlp(module: torch.nn.Module) -> bool:
+    cls = type(module)
+    forward = cls.__dict__.get("forward")
+    return ((cls.__module__, cls.__qualname__) in GATED_MLPS and forward is not None
+            and (forward.__module__, forward.__qualname__) == (cls.__module__, f"{cls.__qualname__}.forward"))
 
 
 def _selective_mlp_forward(mlp: torch.nn.Module) -> Callable:
@@ -139,7 +161,8 @@ class SelectiveRecompute(MemoryPolicy):
     def __init__(self) -> None:
         super().__init__()
         self.num_norms = 0
-        self.num_mlps = 0
+        self.num_mlps = 0  # rewritten: only act(gate) * up is recomputed
+        self.num_whole_mlps = 0  # unknown gated MLPs: their own forward recomputed whole
 
     def _apply(self, model: torch.nn.Module) -> None:
         layers = decoder_layers(model)
@@ -149,15 +172,26 @@ class SelectiveRecompute(MemoryPolicy):
             if _is_rms_norm(module):
                 self._wrap_forward(module, checkpointed)
                 self.num_norms += 1
+        unknown = set()
         for layer in layers:
             mlp = getattr(layer, "mlp", None)
-            if mlp is not None and _is_gated_mlp(mlp):
-                if "forward" in mlp.__dict__:
-                    # our MLP forward calls the projections directly and would bypass the patch silently
-                    raise RuntimeError("SelectiveRecompute must be applied before any policy that patches "
-                                       "mlp.forward (TiledMLP); apply_memory_policies uses that order")
+            if mlp is None or not _looks_gated(mlp):
+                continue
+            if "forward" in mlp.__dict__:
+                # our MLP forward calls the projections directly and would bypass the patch silently
+                raise RuntimeError("SelectiveRecompute must be applied before any policy that patches "
+                                   "mlp.forward (TiledMLP); apply_memory_policies uses that order")
+            if _is_known_gated_mlp(mlp):
                 self._wrap_forward(mlp, lambda _current, mlp=mlp: _selective_mlp_forward(mlp))
                 self.num_mlps += 1
-        if self.num_mlps < len(layers):
+            else:
+                self._wrap_forward(mlp, checkpointed)
+                self.num_whole_mlps += 1
+                unknown.add(type(mlp).__qualname__)
+        if unknown:
+            log.info("selective recompute: %s is not a known down(act(gate) * up) MLP; its %d layers recompute "
+                     "their whole MLP forward instead", ", ".join(sorted(unknown)), self.num_whole_mlps)
+        kept = len(layers) - self.num_mlps - self.num_whole_mlps
+        if kept:
             log.warning("selective recompute: %d of %d layers have no gated MLP (gate_proj/up_proj/down_proj); "
-                        "their MLP activations are kept", len(layers) - self.num_mlps, len(layers))
+                        "their MLP activations are kept", kept, len(layers))

@@ -5,8 +5,8 @@ Legend: B batch, s local sequence, H hidden, I intermediate, T = B * s local tok
     x [B s H] -> [T H] -> tiles [t_k H] --mlp under checkpoint--> [t_k H] -> cat [T H] -> [B s H]
 
 Forward keeps only each tile's input (a view of x, no copy); backward rebuilds one tile's
-[t, I] gate/up/act tensors at a time, so the [T, I] intermediates never exist whole (ALST's TiledMLP,
-research/anchors.md 2.5: about 10x less MLP activation memory). The MLP is per token, so tiling is
+[t, I] gate/up/act tensors at a time, so the [T, I] intermediates never exist whole (as in the TiledMLP of
+Arctic Long Sequence Training, ALST). The MLP is per token, so tiling is
 exact up to float summation order in the weight gradients.
 
 ZeRO-3. (1) Gradients: every tile's recompute and backward run inside the one backward pass of the
