@@ -1,6 +1,6 @@
 """run_ranks(fn, world_size, *args): run fn(rank, world_size, *args) on `world_size` CPU processes with gloo.
 
-Processes are forked (0.1 s instead of 2 s per spawn; research/stack.md section 9); set
+Processes are forked (about 0.1 s instead of 2 s per spawn, which re-imports torch); set
 DS_ULYSSES_TEST_START=spawn to fall back to spawn if a test misbehaves under fork. Each rank uses one
 thread, a file-store rendezvous (no ports) and a 60 s collective timeout so a mismatched collective
 fails instead of hanging. A failing rank's exception fails the test.
