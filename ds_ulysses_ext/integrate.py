@@ -44,7 +44,9 @@ class CPState:
     """What the registered attention function needs, attached to each attention module."""
     topology: Topology
     backend: str = "auto"
-    expected_global_len: int = 0  # set by the input check of each forward
+    # set by the input check of each forward, checked and cleared by its first attention call: recomputes in
+    # backward re-run layers of earlier forwards, which no longer match the newest forward's length
+    expected_global_len: int = 0
     max_seqlen: Optional[int] = None  # the longest packed document of this forward (varlen kernels need it)
     logged: bool = field(default=False)
 
@@ -106,6 +108,7 @@ def _verify_length(state: CPState, local_len: int) -> None:
     if state.expected_global_len and exchanged != state.expected_global_len:
         raise RuntimeError(f"context parallelism is not active: attention saw {exchanged} tokens after "
                            f"the exchange, the batch holds {state.expected_global_len}")
+    state.expected_global_len = 0
     if not state.logged and state.topology.rank == 0:
         log.info("context parallel active: cp=%d, local length %d, global length %d after the exchange",
                  state.topology.cp_size, local_len, exchanged)
