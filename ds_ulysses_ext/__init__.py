@@ -1,6 +1,6 @@
 """ds_ulysses_ext: exact Ulysses context parallelism for HF models under DeepSpeed.
 
-Public API (DESIGN section 3.2): init_topology, ulysses_attention, enable_context_parallel, shard_batch,
+Public API (docs/design.md §2): init_topology, ulysses_attention, enable_context_parallel, shard_batch,
 plus the CP loss helpers. Importing this package has no side effects.
 """
 from .attention import ulysses_attention

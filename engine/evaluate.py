@@ -1,6 +1,6 @@
 """Held-out loss, scored under the training contract (sum of token cross-entropies over all held-out samples /
-their counted target tokens, DESIGN 3.1). The samples are the last data.eval_samples of the training data (never
-trained on), or every sample of data.eval_path.
+their counted target tokens, docs/design.md §1.1). The samples are the last data.eval_samples of the training
+data (never trained on), or every sample of data.eval_path.
 
 Every layout gives the same number. dp rank r takes samples r, r + dp, ... of the held-out list. Each rank runs
 the same number of micro-batches, because ZeRO-3 gathers parameters collectively in every forward; the missing

@@ -1,7 +1,7 @@
 """How DeepSpeed combines per-rank gradients under CP, and the scale that makes the step exact.
 
 Each rank backprops its share  local_loss_sum / global_token_count  (ds_ulysses_ext/loss.py); the shares
-of all ranks and micro-batches add up to the objective of DESIGN 3.1, so the exact gradient is the SUM
+of all ranks and micro-batches add up to the objective (docs/design.md §1.1), so the exact gradient is the SUM
 of the per-rank gradients. DeepSpeed 0.19.8 does not sum; measured on CPU/gloo with SGD(lr=1) and the
 weight update compared with the unsplit gradient (tests/test_engine.py::test_layouts_match_single_process
 keeps measuring it):

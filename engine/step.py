@@ -18,7 +18,7 @@ from .profile import phase
 
 @dataclass
 class StepResult:
-    loss: float          # global-batch mean token cross-entropy (DESIGN 3.1)
+    loss: float          # global-batch mean token cross-entropy (docs/design.md §1.1)
     grad_norm: float     # global gradient norm before clipping, as DeepSpeed computed it
     tokens: int          # non-masked target tokens in the global batch
     input_tokens: int    # sequence positions processed in the global batch (padding to seq_len included)

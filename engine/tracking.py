@@ -1,4 +1,4 @@
-"""Where step metrics go: metrics.jsonl (DESIGN 3.3), a rank-0 progress bar, and W&B.
+"""Where step metrics go: metrics.jsonl (docs/design.md §3), a rank-0 progress bar, and W&B.
 
 Only rank 0 writes. W&B runs in `disabled` or `offline` mode unless the user asks for `online`, and
 never prompts for a login: `online` without credentials is an error at start-up, not a prompt.

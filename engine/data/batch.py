@@ -2,7 +2,7 @@
 
 Labels stay UNSHIFTED here (HF convention: `labels[i]` is the target of position `i` before the causal shift).
 The shift happens later on the full sequence, before it is split over cp ranks, so that the first token of
-every cp chunk is still predicted by the previous chunk's last position (DESIGN.md §3.1).
+every cp chunk is still predicted by the previous chunk's last position (docs/design.md §1.1).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def collate(samples: list[dict], seq_len: int, pad_id: int) -> dict:
 def count_target_tokens(labels_unshifted: torch.Tensor) -> int:
     """Number of non-masked targets after the causal shift: `(labels[..., 1:] != -100).sum()`.
 
-    This is the count that goes into the global loss normaliser (DESIGN.md §3.1): summed over every sample of
+    This is the count that goes into the global loss normaliser (docs/design.md §1.1): summed over every sample of
     the global batch (all dp ranks, all micro-batches) it is the denominator of the step's loss and the
     `tokens` metric. Position 0's label is never a target (nothing precedes it), hence the `1:`. Accepts
     `[L]` or `[B, L]`; padding is -100 so padded batches count the same as unpadded samples.

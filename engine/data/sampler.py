@@ -1,6 +1,6 @@
 """`GlobalBatchSampler`: which dataset indices make up optimizer step k, the same for every layout.
 
-DESIGN.md §3.3: the samples of step k depend only on the seed, the data and the global batch size, never on
+docs/design.md §1.1: the samples of step k depend only on the seed, the data and the global batch size, never on
 world size, dp/cp layout or gradient accumulation. So the sampler first fixes the step's global list of
 `global_batch_size` indices, and only then cuts it into dp-rank parts and micro-batches.
 
