@@ -1,12 +1,34 @@
 """DataConfig: where training samples come from and how they are cut to seq_len."""
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import List, Optional
 
-DATA_SOURCES = ("synthetic", "jsonl", "demo")
+DATA_SOURCES = ("synthetic", "jsonl", "demo", "passkey")
+PASSKEY_KEYS = ("digits", "letters")
+PASSKEY_FILLERS = ("corpus", "repeat")
 DATA_FORMATS = ("text", "chat")
 OVERLONG_POLICIES = ("truncate", "drop")
 BAD_LINE_POLICIES = ("skip", "fail")
+
+
+@dataclass
+class PasskeyConfig:
+    """source=passkey: a key hidden in filler text, asked for at the end (engine/data/passkey.py, docs/retrieval.md)."""
+
+    # sample lengths in tokens; [] = every sample data.seq_len long; several = each sample draws one (all are
+    # padded to data.seq_len, so a mixture costs the longest); each must be <= data.seq_len
+    lengths: List[int] = field(default_factory=list)
+    depth_min: float = 0.0  # where the needle starts, as a fraction of the filler (0 = first, 1 = last token)
+    depth_max: float = 1.0
+    key: str = "digits"  # digits: random decimal digits; letters: a random lowercase word (several BPE tokens)
+    key_length: int = 5  # characters of each key
+    num_needles: int = 1  # keys asked for (same name, answered in order of appearance)
+    num_distractors: int = 0  # keys of other names, not asked for (RULER's multi-key needle task)
+    filler: str = "corpus"  # corpus: sentences of the shipped corpus; repeat: the classic "The grass is green..."
+    # the held-out retrieval grid scored every trainer.eval_every steps (metric retrieval_acc, engine/retrieval.py)
+    eval_lengths: List[int] = field(default_factory=list)  # [] = the largest of lengths (or data.seq_len)
+    eval_depths: List[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
+    eval_samples_per_cell: int = 4
 
 
 @dataclass
@@ -31,6 +53,43 @@ class DataConfig:
     # Only "right" is accepted: labels are shifted on the full sequence before the cp split, which assumes
     # the real tokens start at position 0 and padding sits at the end.
     padding_side: str = "right"
+    passkey: PasskeyConfig = field(default_factory=PasskeyConfig)  # source=passkey only
     # Pack samples greedily into rows of seq_len tokens (engine/data/packing.py); documents never attend to or
     # predict each other. trainer.global_batch_size then counts rows. The rows do not depend on the layout.
     pack: bool = False
+
+
+def check_passkey(data: DataConfig) -> None:
+    """Refuse a passkey task that cannot be built (configs.validate calls this before any model is loaded)."""
+    from configs.errors import ConfigError
+
+    p = data.passkey
+
+    def need(ok: bool, message: str) -> None:
+        if not ok:
+            raise ConfigError(message)
+
+    for field_name in ("lengths", "eval_lengths"):
+        for length in getattr(p, field_name):
+            need(1 <= length <= data.seq_len,
+                 f"data.passkey.{field_name} holds {length}, outside 1..data.seq_len={data.seq_len}; every sample "
+                 f"is padded to data.seq_len: set data.seq_len={max(getattr(p, field_name))} or shorten "
+                 f"data.passkey.{field_name}")
+    need(0.0 <= p.depth_min <= p.depth_max <= 1.0,
+         f"data.passkey.depth_min={p.depth_min} and depth_max={p.depth_max} must satisfy 0 <= min <= max <= 1; "
+         "e.g. data.passkey.depth_min=0.0 data.passkey.depth_max=1.0")
+    need(p.key in PASSKEY_KEYS, f"data.passkey.key={p.key} is not one of {PASSKEY_KEYS}; set data.passkey.key=digits")
+    need(p.filler in PASSKEY_FILLERS,
+         f"data.passkey.filler={p.filler} is not one of {PASSKEY_FILLERS}; set data.passkey.filler=corpus")
+    need(p.key_length >= 1, f"data.passkey.key_length={p.key_length} must be >= 1; e.g. data.passkey.key_length=5")
+    need(p.num_needles >= 1, f"data.passkey.num_needles={p.num_needles} must be >= 1")
+    need(0 <= p.num_distractors <= 11,
+         f"data.passkey.num_distractors={p.num_distractors} must be in 0..11 (one name each, 12 names); "
+         "set e.g. data.passkey.num_distractors=3")
+    need(len(p.eval_depths) > 0,
+         "data.passkey.eval_depths is empty: the retrieval grid needs at least one depth; "
+         "set e.g. data.passkey.eval_depths=[0.0,0.5,1.0]")
+    need(all(0.0 <= d <= 1.0 for d in p.eval_depths),
+         f"data.passkey.eval_depths={list(p.eval_depths)} must lie in [0, 1]; e.g. data.passkey.eval_depths=[0.0,0.5,1.0]")
+    need(p.eval_samples_per_cell >= 1,
+         f"data.passkey.eval_samples_per_cell={p.eval_samples_per_cell} must be >= 1")

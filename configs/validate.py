@@ -9,7 +9,7 @@ The config is never mutated: derived values (dp, grad_accum) are returned in the
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
-from configs.data import BAD_LINE_POLICIES, DATA_FORMATS, DATA_SOURCES, OVERLONG_POLICIES, DataConfig
+from configs.data import BAD_LINE_POLICIES, DATA_FORMATS, DATA_SOURCES, OVERLONG_POLICIES, DataConfig, check_passkey
 from configs.errors import ConfigError
 from configs.log import WANDB_MODES
 from configs.memory import RECOMPUTE_METHODS, RECOMPUTE_POLICIES, MemoryConfig
@@ -168,6 +168,8 @@ def _check_data(data: DataConfig) -> None:
         "set e.g. data.masked_fraction=0.25",
     )
     _require(data.num_samples >= 1, f"data.num_samples={data.num_samples} must be >= 1")
+    if data.source == "passkey":
+        check_passkey(data)
 
 
 def _check_logging(cfg: TrainConfig) -> None:

@@ -33,6 +33,7 @@ from .plot import plot_loss
 from .preemption import Preemption
 from .profile import maybe_profile
 from .reshard import finish_reshard, needs_reshard, optimizer_layout, to_universal
+from .retrieval import log_retrieval
 from .step import train_step
 from .tracking import Tracker
 
@@ -126,6 +127,9 @@ def train(cfg: TrainConfig, plan: Plan, rt: Runtime) -> dict:
                 record["eval_loss"], record["eval_tokens"] = evaluate(
                     engine, eval_data, eval_indices, topo, plan.dp, plan.micro_batch_size,
                     cfg.data.seq_len, pad_id, rt.device)
+                if cfg.data.source == "passkey":  # the held-out grid's exact match, and its heatmap
+                    record["retrieval_acc"] = log_retrieval(engine, tokenizer, cfg, plan, topo, pad_id, rt,
+                                                            tracker, step + 1)
                 record["eval_time_s"] = time.perf_counter() - t_eval
             tracker.log(record)
             if fatal:  # logged first, so the bad step is on record; raised before any save

@@ -7,19 +7,21 @@ padding_side. Fields a source does not use are ignored, except where ignoring th
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
 
 from .errors import DataError
 from .jsonl import load_jsonl
+from .passkey import PasskeyDataset, PasskeyTask, passkey_lengths
 from .packing import pack_dataset
 from .stats import DataStats
 from .synthetic import SyntheticDataset
 from .tokenizer import DEMO_CORPUS, DEMO_TOKENIZER, check_tokenizer_fits, tokenizer_of
 
 _CHOICES = {
-    "source": ("synthetic", "jsonl", "demo"),
+    "source": ("synthetic", "jsonl", "demo", "passkey"),
     "format": ("text", "chat"),
     "overlong": ("truncate", "drop"),
     "on_bad_line": ("skip", "fail"),
@@ -52,6 +54,9 @@ def _build_samples(cfg: Any, *, seed: int, vocab_size: int) -> tuple[Sequence[di
         )
         return ds, DataStats(source="synthetic", num_samples=len(ds), num_tokens=len(ds) * cfg.seq_len), None
 
+    if cfg.source == "passkey":
+        return _passkey(cfg, seed, vocab_size)
+
     if cfg.source == "demo":
         _check_demo_fields(cfg)
         tokenizer = tokenizer_of(cfg)
@@ -80,6 +85,15 @@ def _build_samples(cfg: Any, *, seed: int, vocab_size: int) -> tuple[Sequence[di
     if not samples:
         raise DataError(f"{path} gave no usable samples ({stats.summary()}); check the file and data.format")
     return samples, stats, tokenizer
+
+
+def _passkey(cfg: Any, seed: int, vocab_size: int):
+    tokenizer = tokenizer_of(cfg)
+    check_tokenizer_fits(tokenizer, vocab_size, "passkey")
+    lengths = passkey_lengths(cfg)
+    ds = PasskeyDataset(PasskeyTask(cfg.passkey, tokenizer, cfg.path), lengths, cfg.num_samples, seed)
+    ds.task.make(random.Random(0), min(lengths))  # a length too short for the key fails here, before the build
+    return ds, DataStats(source="passkey", num_samples=len(ds), num_tokens=0), tokenizer
 
 
 def _validate(cfg: Any, vocab_size: int) -> None:

@@ -54,6 +54,8 @@ def tokenizer_of(cfg):
     """The tokenizer a run's data used (an HF export ships it), or None for synthetic data."""
     if cfg.source == "demo":
         return load_tokenizer(DEMO_TOKENIZER)
+    if cfg.source == "passkey":
+        return load_tokenizer(cfg.tokenizer_path or DEMO_TOKENIZER)
     if cfg.source == "jsonl" and cfg.tokenizer_path:
         return load_tokenizer(cfg.tokenizer_path)
     return None
