@@ -53,10 +53,10 @@ class DataConfig:
     # Only "right" is accepted: labels are shifted on the full sequence before the cp split, which assumes
     # the real tokens start at position 0 and padding sits at the end.
     padding_side: str = "right"
-    passkey: PasskeyConfig = field(default_factory=PasskeyConfig)  # source=passkey only
     # Pack samples greedily into rows of seq_len tokens (engine/data/packing.py); documents never attend to or
     # predict each other. trainer.global_batch_size then counts rows. The rows do not depend on the layout.
     pack: bool = False
+    passkey: PasskeyConfig = field(default_factory=PasskeyConfig)  # source=passkey only
 
 
 def check_passkey(data: DataConfig) -> None:

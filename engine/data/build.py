@@ -14,8 +14,8 @@ from typing import Any, Optional
 
 from .errors import DataError
 from .jsonl import load_jsonl
-from .passkey import PasskeyDataset, PasskeyTask, passkey_lengths
 from .packing import pack_dataset
+from .passkey import PasskeyDataset, PasskeyTask, passkey_lengths
 from .stats import DataStats
 from .synthetic import SyntheticDataset
 from .tokenizer import DEMO_CORPUS, DEMO_TOKENIZER, check_tokenizer_fits, tokenizer_of
