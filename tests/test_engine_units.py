@@ -450,3 +450,12 @@ def test_resume_tag_falls_back_past_every_damaged_checkpoint_or_stops_naming_the
     assert "the older step_00000004 is damaged too: state.pt: cannot be read" in got["fallback error"]
     assert "the older step_00000002 is damaged too: state.pt: its bytes differ" in got["fallback error"]
     assert "found no older checkpoint that verifies; restore the checkpoint from a copy" in got["fallback error"]
+
+
+def test_on_corrupt_checkpoint_is_validated_and_defaults_to_fallback():
+    from configs import ConfigError, compose_config, validate
+    assert compose_config([]).trainer.on_corrupt_checkpoint == "fallback"
+    validate(compose_config(["trainer.on_corrupt_checkpoint=abort", "parallelism.cp=1"]), 1)
+    with pytest.raises(ConfigError, match=r"trainer.on_corrupt_checkpoint=skip is not one of .*set "
+                                          r"trainer.on_corrupt_checkpoint to one of them"):
+        validate(compose_config(["trainer.on_corrupt_checkpoint=skip", "parallelism.cp=1"]), 1)
