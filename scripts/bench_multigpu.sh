@@ -10,7 +10,7 @@
 #          preset $MEMORY, or the S:memory list $POINTS; $STEPS steps (default 3); $EXTRA: more Hydra overrides
 #          (e.g. model.attn_backend=fa4 logging.profile_step=3, whose op table gives the all-to-all time)
 #   long   Llama-3.2-1B shape, one 1,048,576-token step at cp=NGPU (memory=long_context); ALST sp=2 took
-#          428.6 s on two H200s (measured before this project's first session; docs/benchmarks.md)
+#          428.6 s on two H200s (measured before this project's first session)
 #   alst   DeepSpeed ALST sp=NGPU (../anchor-bench/alst_sp_sweep.py, Llama-3.2-1B shape), same S list, ZeRO stage
 #          $ALST_ZERO (default 1, ALST's baseline configuration); run `MODEL=llama3_2_1b ... scale`
 #          for our side of that comparison; $ALST_DEADLINE_S (default 500) bounds the sweep (1M at sp=2: ~470 s)
