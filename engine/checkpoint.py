@@ -158,10 +158,16 @@ def resume_tag(out_dir: Path, rank: int, policy: str) -> Optional[str]:
     if tag is None:
         return None
     root = ckpt_root(out_dir)
+    if not tag.startswith("step_"):  # `latest` itself cut short: which saves completed is unknown
+        raise DamagedCheckpoint(f"{root / 'latest'} holds {tag!r}, not a checkpoint tag: write the tag of a "
+                                f"complete checkpoint into it (e.g. `echo step_00000100 > {root / 'latest'}`), or "
+                                "start over with trainer.resume=false or a new run.out_dir")
     problems = _verdict(root, tag, rank)
     if not problems:
         return tag
-    older = sorted((p.name for p in root.glob("step_*") if p.is_dir() and p.name < tag), reverse=True)
+    older = [sorted((p.name for p in root.glob("step_*") if p.is_dir() and p.name < tag), reverse=True)]
+    dist.broadcast_object_list(older, src=0)  # one list: every rank verifies the same candidates together
+    older = older[0]
     damage = f"checkpoint {root / tag} (named by checkpoints/latest) is damaged: " + "; ".join(problems)
     if policy == "abort":
         back = f" (the next older one is {older[0]})" if older else " (there is no older one)"
@@ -182,8 +188,6 @@ def resume_tag(out_dir: Path, rank: int, policy: str) -> Optional[str]:
 
 
 def _verdict(root: Path, tag: str, rank: int) -> list[str]:
-    if not (root / tag).is_dir():
-        return [f"its folder {root / tag} does not exist"]
     problems = manifest.verify(root / tag, rank)
     if problems is None:
         if rank == 0:

@@ -53,7 +53,7 @@ def write(folder: Path, rank: int) -> None:
     listing = [None]
     if rank == 0:
         listing[0] = {p.relative_to(folder).as_posix(): p.stat().st_size for p in sorted(folder.rglob("*"))
-                      if p.is_file() and p.name != MANIFEST}
+                      if p.is_file() and not p.name.startswith(MANIFEST)}  # nor a write a crash cut short
     dist.broadcast_object_list(listing, src=0)  # one listing: a shared filesystem can list late on other nodes
     mine = {}
     for name in share(listing[0], rank, world):
@@ -70,11 +70,13 @@ def write(folder: Path, rank: int) -> None:
 
 def verify(folder: Path, rank: int) -> Optional[list[str]]:
     """Every rank together: None when the checkpoint has no manifest (written before manifests existed), else
-    the damaged files, one line each ([] when intact), the same list on every rank."""
+    the damaged files (or the missing folder), one line each ([] when intact), the same list on every rank."""
     world = dist.get_world_size()
-    found = [(folder / MANIFEST).exists()]
+    found = [folder.is_dir(), (folder / MANIFEST).exists()]
     dist.broadcast_object_list(found, src=0)  # rank 0's view decides, so no rank skips the gather below
     if not found[0]:
+        return [f"its folder {folder} does not exist"]
+    if not found[1]:
         return None
     problems = []
     try:

@@ -435,6 +435,12 @@ def _resume_tags(rank, world, out_dir, out):
             checkpoint.resume_tag(out_dir, rank, policy)
         except checkpoint.DamagedCheckpoint as err:
             got[f"{policy} error"] = str(err)
+    for name, latest in (("missing", "step_00000009\n"), ("empty", "")):
+        (root / "latest").write_text(latest)  # a tag with no folder; a `latest` cut short
+        try:
+            checkpoint.resume_tag(out_dir, rank, "abort")
+        except checkpoint.DamagedCheckpoint as err:
+            got[f"{name} error"] = str(err)
     torch.save(got, out)
 
 
@@ -450,6 +456,8 @@ def test_resume_tag_falls_back_past_every_damaged_checkpoint_or_stops_naming_the
     assert "the older step_00000004 is damaged too: state.pt: cannot be read" in got["fallback error"]
     assert "the older step_00000002 is damaged too: state.pt: its bytes differ" in got["fallback error"]
     assert "found no older checkpoint that verifies; restore the checkpoint from a copy" in got["fallback error"]
+    assert "step_00000009 (named by checkpoints/latest) is damaged: its folder" in got["missing error"]
+    assert "latest holds '', not a checkpoint tag: write the tag of a complete checkpoint into it" in got["empty error"]
 
 
 def test_on_corrupt_checkpoint_is_validated_and_defaults_to_fallback():
