@@ -10,6 +10,7 @@ from configs.data import DataConfig
 from configs.log import LoggingConfig
 from configs.memory import MemoryConfig
 from configs.model import ModelConfig
+from configs.moe import MoEConfig
 from configs.parallel import DeepSpeedConfig, ParallelismConfig
 from configs.train import TrainConfig
 from configs.trainer import TrainerConfig
@@ -23,6 +24,7 @@ GROUP_SCHEMAS = {
     "deepspeed": DeepSpeedConfig,
     "trainer": TrainerConfig,
     "memory": MemoryConfig,
+    "moe": MoEConfig,
     "logging": LoggingConfig,
 }
 

@@ -6,6 +6,7 @@ from configs.data import DataConfig
 from configs.log import LoggingConfig
 from configs.memory import MemoryConfig
 from configs.model import ModelConfig
+from configs.moe import MoEConfig
 from configs.parallel import DeepSpeedConfig, ParallelismConfig
 from configs.run import RunConfig
 from configs.trainer import TrainerConfig
@@ -23,6 +24,7 @@ class TrainConfig:
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     precision: str = "bf16"  # fp32 | bf16 (DeepSpeed's bf16 mode); fp16 is refused (no loss scaling here)
     device: str = "auto"  # auto = cuda when available, else cpu (gloo)

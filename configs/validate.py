@@ -14,6 +14,7 @@ from configs.errors import ConfigError
 from configs.log import WANDB_MODES
 from configs.memory import RECOMPUTE_METHODS, RECOMPUTE_POLICIES, MemoryConfig
 from configs.model import ATTN_BACKENDS, MODEL_SOURCES, MOE_FAMILIES, SUPPORTED_FAMILIES, ModelConfig
+from configs.moe import check_moe
 from configs.parallel import MASTER_WEIGHTS
 from configs.train import DEVICES, PRECISIONS, TrainConfig
 from configs.trainer import CORRUPT_CHECKPOINT_POLICIES, LR_DECAYS, NONFINITE_POLICIES, TrainerConfig
@@ -53,6 +54,7 @@ def validate(cfg: TrainConfig, world_size: int) -> Plan:
     _check_memory(cfg.memory, cfg.model.arch)
     _check_deepspeed(cfg)
     dp = _check_parallelism(cfg, world_size)
+    check_moe(cfg, world_size)
     _check_positions(cfg)  # after parallelism.cp is known to be valid: the padding depends on it
     _check_rope(cfg)
     grad_accum = _check_batch(cfg.trainer, dp)

@@ -36,6 +36,7 @@ SUPPORTED = {f.model_type: f for f in (
     Family("mistral"),
     Family("qwen3_moe", moe=True),
     Family("gpt_oss", moe=True, notes="sliding windows and sinks run in the CP attention; experts run as HF's"),
+    Family("latent_moe", moe=True, notes="ours (ds_ulysses_ext/moe/latent_model.py): experts in a latent space"),
 )}
 
 

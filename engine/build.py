@@ -13,10 +13,13 @@ import torch
 from configs import Plan, TrainConfig
 from ds_ulysses_ext import CPCausalLM, Topology, enable_context_parallel
 from ds_ulysses_ext.memory import ProbeResult, apply_memory_policies
+from ds_ulysses_ext.moe import moe_blocks
+from ds_ulysses_ext.moe.parallel import MoESettings, enable_expert_parallel, expert_parameters
 
 from .hf_config import hf_config_of
 from .init import init_random_weights
 from .ds_config import optimizer_params, to_deepspeed_dict
+from .ds_patches import mark_expert_parallel
 from .grad_reduction import check_engine
 from .schedule import build_scheduler
 
@@ -39,6 +42,8 @@ def build_hf_model(cfg: TrainConfig, ds_dict: dict, device: torch.device = torch
     it), a ZeRO-3 one partitioned by zero.Init."""
     from transformers import AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
+    from ds_ulysses_ext.moe.latent_model import register_latent_moe
+    register_latent_moe()
     _HF_DS_CONFIG.clear()  # a previous build's ZeRO-3 config must not leak into a ZeRO-2 build
     zero3 = ds_dict["zero_optimization"]["stage"] == 3
     if zero3:
@@ -86,9 +91,13 @@ def build(cfg: TrainConfig, plan: Plan, topo: Topology, device: torch.device, lo
     ds_dict = to_deepspeed_dict(cfg, plan, load_universal)
     hf = build_hf_model(cfg, ds_dict, device)
     enable_context_parallel(hf, topo, backend=cfg.model.attn_backend)
+    stage = ds_dict["zero_optimization"]["stage"]
+    if is_moe(cfg):
+        enable_expert_parallel(hf, topo, moe_settings(cfg))
+        if topo.ep_size > 1:
+            mark_expert_parallel(expert_parameters(hf), topo)  # before deepspeed.initialize partitions them
     policies = _apply_memory(hf, cfg)
     model = CPCausalLM(hf, loss_chunk_size=cfg.trainer.loss_chunk_size, fused_loss=cfg.trainer.fused_loss)
-    stage = ds_dict["zero_optimization"]["stage"]
     if stage != cfg.deepspeed.zero_stage:
         log.info("deepspeed.zero_stage=%d on one rank runs as ZeRO-%d: same memory, less per-step overhead "
                  "(engine/ds_config.py)", cfg.deepspeed.zero_stage, stage)
@@ -107,6 +116,26 @@ def build(cfg: TrainConfig, plan: Plan, topo: Topology, device: torch.device, lo
     log.info("gradient reduction: ZeRO-%d, per-rank loss share scaled by %g", engine.zero_optimization_stage(), scale)
     engine.memory_policies = policies
     return engine, hf, scale
+
+
+def is_moe(cfg: TrainConfig) -> bool:
+    from configs.moe import EP_FAMILIES
+    return cfg.model.family in EP_FAMILIES
+
+
+def moe_step_end(hf, cfg: TrainConfig, apply_bias: bool) -> dict:
+    """After each optimizer step of an MoE run: the step's load-imbalance figure and, with moe.balance=bias, the
+    routers' bias update (every rank the same). Collective."""
+    ctx = hf._moe_context
+    rate = cfg.moe.bias_update_rate if apply_bias else 0.0
+    return ctx.finish_step(rate, moe_blocks(hf))
+
+
+def moe_settings(cfg: TrainConfig) -> MoESettings:
+    m = cfg.moe
+    return MoESettings(dispatcher=m.dispatcher, balance=m.balance, aux_loss_coef=m.aux_loss_coef,
+                       bias_update_rate=m.bias_update_rate, recompute=m.recompute,
+                       recompute_group_size=m.recompute_group_size, offload_inputs=m.offload_inputs)
 
 
 def _apply_memory(hf, cfg: TrainConfig):

@@ -61,3 +61,34 @@ def one_pass_zero2_grad_norm() -> None:
 
     get_grad_norm_direct._one_pass = True
     DeepSpeedZeroOptimizer.get_grad_norm_direct = get_grad_norm_direct
+
+
+EXPERT_GROUP_NAME = "ds_ulysses_ep"
+
+
+def mark_expert_parallel(expert_params, topology) -> None:
+    """Give DeepSpeed's ZeRO-3 the expert parameters of one EP rank as expert-parallel, before it partitions them.
+
+    DeepSpeed 0.19.8 has the mechanism (written for its AutoEP layer), but only AutoEP's own modules get it:
+    - `ds_zero_partition_process_group` = the EDP group: zero.Init's conversion partitions the parameter over the
+      replicas of this expert shard, and ZeRO-3 reduce-scatters its gradient there only, never averaging it with
+      another rank's different experts (without it every parameter is partitioned over all ranks);
+    - family "autoep_expert" with a registered group name: ZeRO-3 then averages the gradient by the world size,
+      as it does dense gradients (stage3 `_gradient_averaging_world_size`), so the engine's one loss scale
+      (dp x cp, engine/grad_reduction.py) is exact for experts too, and it adds the expert sub-groups' squared
+      norms over the EP group (`get_grad_norm_direct`), so the norm covers every expert once.
+    The group name is put into DeepSpeed's own registry of expert groups (`deepspeed.utils.groups`), which is
+    where that code looks it up. Tested for exactness against one process (tests/test_moe_engine.py).
+    """
+    from deepspeed.utils import groups
+    groups._EXPERT_PARALLEL_GROUP[EXPERT_GROUP_NAME] = topology.ep_group
+    groups._EXPERT_DATA_PARALLEL_GROUP[EXPERT_GROUP_NAME] = topology.edp_group
+    for p in expert_params:
+        if hasattr(p, "ds_id"):
+            raise RuntimeError("an expert parameter was ZeRO-partitioned before it was marked; mark experts before "
+                               "deepspeed.initialize")
+        p.allreduce = False
+        p.group_name = EXPERT_GROUP_NAME
+        p.ds_zero_placement_family = "autoep_expert"
+        p.ds_zero_partition_group_name = EXPERT_GROUP_NAME
+        p.ds_zero_partition_process_group = topology.edp_group

@@ -41,10 +41,36 @@ def export_hf(engine, hf_model, export_dir: Path, rank: int, tokenizer=None) -> 
         state = engine._zero3_consolidated_16bit_state_dict()  # full dict on rank 0
     else:
         state = engine.module.state_dict()
+    state = _with_all_experts(engine.module, state, rank)
     if rank == 0:
         _save_folder(hf_model, state, export_dir, tokenizer)
     dist.barrier()
     return export_dir
+
+
+def _with_all_experts(module, state: dict, rank: int) -> dict:
+    """With ep > 1 each rank holds E / ep experts: rank 0's state gets every EP rank's shard, in expert order.
+    Collective over each block's EP group (every rank walks the blocks in the same order)."""
+    import torch
+    from ds_ulysses_ext.moe import moe_blocks
+    blocks = moe_blocks(module)
+    if not blocks or blocks[0].ep_size == 1:
+        return state
+    group = blocks[0].context.dispatcher.group
+    names = {id(p): n for n, p in module.named_parameters()}
+    for block in blocks:
+        for param in block.experts.parameters():
+            gathered = contextlib.nullcontext()
+            if hasattr(param, "ds_id"):
+                import deepspeed
+                gathered = deepspeed.zero.GatheredParameters([param])  # over the shard's EDP replicas
+            with gathered:
+                local = param.detach().clone()
+            parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(parts, local, group=group)
+            if rank == 0:
+                state[names[id(param)]] = torch.cat(parts)
+    return state
 
 
 def export_hf_from_checkpoint(out_dir: Path, tag: str | None = None, export_dir: Path | None = None) -> Path:
@@ -58,6 +84,12 @@ def export_hf_from_checkpoint(out_dir: Path, tag: str | None = None, export_dir:
     if tag is None or not (checkpoint.ckpt_root(out_dir) / tag).is_dir():
         raise FileNotFoundError(f"no checkpoint {tag or '(latest)'} under {checkpoint.ckpt_root(out_dir)}")
     cfg = to_dataclass(json.loads((out_dir / "config.json").read_text())["config"])
+    if cfg.parallelism.ep > 1:
+        # zero_to_fp32 assumes every parameter is partitioned over all ranks; expert shards are not
+        raise NotImplementedError(
+            f"{out_dir} is an MoE run with parallelism.ep={cfg.parallelism.ep}: exporting from its checkpoint files "
+            "is not supported (expert shards are partitioned per EP rank). Use the run's own export "
+            "(trainer.export_hf=true writes <run.out_dir>/hf_export), or resume it and let it export at the end")
     export_dir = Path(export_dir or out_dir / f"hf_export_{tag}")
     # every weight is overwritten from the checkpoint, so HF's random init would be wasted time
     with no_init_weights() if no_init_weights is not None else contextlib.nullcontext():

@@ -42,10 +42,20 @@ def check_engine(engine, plan: Plan) -> float:
     if dist.get_world_size(engine.seq_data_parallel_group) != plan.world_size:
         problems.append("ZeRO's partition group is not all dp x cp ranks")
     if stage == 3:
-        groups = {dist.get_world_size(p.ds_process_group) for p in engine.module.parameters()
-                  if hasattr(p, "ds_process_group")}
-        if groups - {plan.world_size}:
-            problems.append(f"ZeRO-3 parameters are partitioned over groups of size {groups}, not {plan.world_size}")
+        # expert shards (ep > 1) are partitioned over their expert-data-parallel group, world / ep ranks, and
+        # marked so that ZeRO-3 averages them by the world size like the rest (engine/ds_patches.py)
+        for p in engine.module.parameters():
+            if not hasattr(p, "ds_process_group"):
+                continue
+            size = dist.get_world_size(p.ds_process_group)
+            expert = getattr(p, "ds_zero_placement_family", None) == "autoep_expert"
+            want = plan.world_size // plan.ep if expert else plan.world_size
+            if size != want:
+                problems.append(f"a ZeRO-3 {'expert ' if expert else ''}parameter is partitioned over {size} "
+                                f"ranks, not {want}")
+                break
+    elif plan.ep > 1:
+        problems.append(f"ep={plan.ep} needs ZeRO-3: ZeRO-{stage} would average different ranks' experts")
     if engine.gradient_accumulation_steps() != plan.grad_accum:
         problems.append("gradient accumulation differs from the plan")
     if problems:

@@ -6,6 +6,8 @@ from ds_ulysses_ext.layout import padded_length
 
 def hf_config_of(model_cfg):
     from transformers import AutoConfig
+    from ds_ulysses_ext.moe.latent_model import register_latent_moe
+    register_latent_moe()  # the latent_moe type is ours: HF's Auto classes learn it here
     if model_cfg.source == "pretrained":
         return AutoConfig.from_pretrained(model_cfg.path)
     return AutoConfig.for_model(model_cfg.family, **model_cfg.arch)

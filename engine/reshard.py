@@ -36,8 +36,11 @@ log = logging.getLogger(__name__)
 UNIVERSAL = "universal"  # checkpoints/universal/<tag>: a converted copy, deleted once loaded
 
 
-def optimizer_layout(world_size: int, zero_stage: int) -> dict:
-    return {"world_size": world_size, "zero_stage": zero_stage}
+def optimizer_layout(world_size: int, zero_stage: int, ep: int = 1) -> dict:
+    layout = {"world_size": world_size, "zero_stage": zero_stage}
+    if ep > 1:  # only then: layouts written before ep existed stay equal to today's ep=1 layouts
+        layout["ep"] = ep
+    return layout
 
 
 def needs_reshard(out_dir: Path, tag: str, layout: dict, allowed: bool) -> dict | None:
@@ -50,6 +53,15 @@ def needs_reshard(out_dir: Path, tag: str, layout: dict, allowed: bool) -> dict 
     saved = read_json(path / LAYOUT_FILE)
     if saved == layout:
         return None
+    saved_ep, ep = saved.get("ep", 1), layout.get("ep", 1)
+    if saved_ep > 1 or ep > 1:
+        # an expert shard's optimizer state is partitioned over its EDP group and DeepSpeed's universal
+        # conversion assumes every parameter is partitioned over all ranks: it would mix different experts
+        raise RuntimeError(
+            f"checkpoint {path} was written with parallelism.ep={saved_ep} on {saved['world_size']} rank(s); this run "
+            f"has parallelism.ep={ep} on {layout['world_size']} rank(s). An MoE run with ep > 1 resumes only on the "
+            f"same ep and world size: resume with parallelism.ep={saved_ep} on {saved['world_size']} rank(s), or start "
+            "a new run from the run's HF export (model.source=pretrained model.path=<run.out_dir>/hf_export)")
     if allowed and saved["zero_stage"] in (2, 3) and layout["zero_stage"] == 3:
         return saved
     why = ("trainer.reshard_on_resume=false" if not allowed else

@@ -18,7 +18,7 @@ from configs import Plan, TrainConfig
 from ds_ulysses_ext import init_topology
 
 from . import checkpoint
-from .build import build
+from .build import build, is_moe, moe_step_end
 from .data import GlobalBatchSampler, build_dataset, collate, pad_id_of
 from .distributed import Runtime, cp_group_node_spans, cp_placement_warning
 from .ds_config import effective_zero_stage
@@ -61,7 +61,7 @@ def train(cfg: TrainConfig, plan: Plan, rt: Runtime) -> dict:
 
     # --- resume point, checked before the model is built (refused if written with other model, data, seed or batch)
     fingerprint = checkpoint.resume_fingerprint(dataclasses.asdict(cfg))
-    layout = optimizer_layout(plan.world_size, effective_zero_stage(cfg, plan))
+    layout = optimizer_layout(plan.world_size, effective_zero_stage(cfg, plan), plan.ep)
     # verified first (every rank together): a damaged `latest` stops the run or falls back to an older checkpoint
     tag = checkpoint.resume_tag(out_dir, rt.rank, cfg.trainer.on_corrupt_checkpoint) if cfg.trainer.resume else None
     load_root = None  # checkpoints/, unless a checkpoint of other ranks is re-partitioned first (a copy)
@@ -76,6 +76,7 @@ def train(cfg: TrainConfig, plan: Plan, rt: Runtime) -> dict:
     if rt.is_main:
         log_offload_estimate(cfg, plan, hf_config, log)
     engine, hf, scale = build(cfg, plan, topo, rt.device, load_universal=reshard)
+    moe_aux_coef = cfg.moe.aux_loss_coef if is_moe(cfg) else None
     num_params = count_params(hf)
     peak_tflops = cfg.logging.peak_tflops or detect_peak_tflops(rt.device)
 
@@ -110,7 +111,7 @@ def train(cfg: TrainConfig, plan: Plan, rt: Runtime) -> dict:
             try:
                 with maybe_profile(cfg.logging.profile_step, step + 1, out_dir, rt.rank, rt.device):
                     result = train_step(engine, micro_batches, topo, scale, rt.device, pad_id,
-                                        cfg.logging.phase_times)
+                                        cfg.logging.phase_times, moe_aux_coef)
             except torch.OutOfMemoryError as err:
                 raise torch.OutOfMemoryError(oom_advice(cfg, plan, step + 1, rt.device)) from err
             _sync(rt.device)
@@ -121,6 +122,9 @@ def train(cfg: TrainConfig, plan: Plan, rt: Runtime) -> dict:
             skipped, fatal = judge(result, cfg.trainer.on_nonfinite)
             if skipped:
                 record["skipped"] = True
+            if moe_aux_coef is not None:  # MoE: the balance loss, the load figure, and the bias step of balance=bias
+                record["moe_aux_loss"] = result.moe_aux_loss
+                record.update(moe_step_end(hf, cfg, apply_bias=not (skipped or fatal)))
             every = cfg.trainer.eval_every
             if not fatal and every and ((step + 1) % every == 0 or step + 1 == cfg.trainer.max_steps):
                 t_eval = time.perf_counter()

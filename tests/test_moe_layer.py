@@ -108,3 +108,30 @@ def test_some_experts_get_no_tokens():
     assert set(range(8)) - set(experts.flatten().tolist()), "the skewed router should leave an expert idle"
     block(x).sum().backward()
     assert block.experts.gate_up_proj.grad is not None
+
+
+@pytest.mark.parametrize("mode,group,offload", [("act", 1, False), ("experts", 1, False), ("experts", 3, True),
+                                                ("none", 1, True)])
+def test_recompute_and_offload_are_exact_and_rerun_the_experts(mode, group, offload):
+    spec = SPECS["softmax_norm"]
+    x = torch.randn(2, 7, spec.hidden_size)
+    results = []
+    for recompute, size, off in (("none", 1, False), (mode, group, offload)):
+        block = _block(spec)
+        block.experts.recompute, block.experts.group_size, block.experts.offload_inputs = recompute, size, off
+        xi = x.clone().requires_grad_()
+        out = block(xi)
+        after_forward = block.experts.ffn_calls
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        results.append((out.detach(), xi.grad, {n: p.grad for n, p in block.named_parameters()},
+                        after_forward, block.experts.ffn_calls))
+    (ref_out, ref_x, ref_g, _, _), (out, gx, g, fwd_calls, total_calls) = results
+    _close(out, ref_out, "output")
+    _close(gx, ref_x, "input grad")
+    for n in ref_g:
+        _close(g[n], ref_g[n], n)
+    groups = -(-spec.num_experts // group)
+    if mode == "experts":  # each group's FFN ran once in forward and once more in backward
+        assert (fwd_calls, total_calls) == (groups, 2 * groups)
+    else:
+        assert (fwd_calls, total_calls) == (1, 1)

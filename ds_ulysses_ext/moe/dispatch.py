@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.nn.functional import all_to_all_single
+from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 
 @dataclass
@@ -60,8 +60,7 @@ class AllToAllDispatcher:
         recv_RE = torch.empty_like(counts_RE)
         dist.all_to_all_single(recv_RE, counts_RE, group=self.group)  # how many slots each source sends per expert
         send, recv = counts_RE.sum(1).tolist(), recv_RE.sum(1).tolist()  # one host sync: the splits must be known
-        x_recv = all_to_all_single(x_sorted.new_empty(sum(recv), x_sorted.shape[1]), x_sorted, recv, send,
-                                   group=self.group)
+        x_recv = _exchange(x_sorted, recv, send, self.group)
         perm = _source_major_to_expert_major(recv_RE, sum(recv))
         handle = Handle(T, token_of_slot, weights_N, recv_RE.sum(0).tolist(), send, recv, perm)
         return x_recv[perm], handle
@@ -71,11 +70,16 @@ class AllToAllDispatcher:
             inverse = torch.empty_like(handle.to_expert_major_N)
             inverse[handle.to_expert_major_N] = torch.arange(inverse.numel(), device=inverse.device)
             y_source_major = y_ND[inverse]
-            y_ND = all_to_all_single(y_ND.new_empty(sum(handle.send_splits), y_ND.shape[1]), y_source_major,
-                                     handle.send_splits, handle.recv_splits, group=self.group)
+            y_ND = _exchange(y_source_major, handle.send_splits, handle.recv_splits, self.group)
         weighted = y_ND.float() * handle.weights_N[:, None]
         out = weighted.new_zeros(handle.num_tokens, y_ND.shape[1]).index_add(0, handle.token_of_slot_N, weighted)
         return out.to(y_ND.dtype)
+
+
+def _exchange(x_ND: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    """all_to_all_single with autograd (its backward is the reverse exchange); waits for the result here."""
+    out = all_to_all_single_autograd(x_ND.contiguous(), out_splits, in_splits, group)
+    return out.wait() if hasattr(out, "wait") else out
 
 
 def _source_major_to_expert_major(recv_RE: torch.Tensor, total: int) -> torch.Tensor:

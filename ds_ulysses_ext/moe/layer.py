@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .balance import sequence_balance_terms
+from .balance import imbalance, sequence_balance_terms, update_expert_bias
 from .experts import GroupedExperts
 from .router import TopKRouter
 
@@ -94,6 +94,24 @@ class MoEContext:
     def collecting(self) -> bool:
         return self._terms is not None
 
+    def finish_step(self, bias_update_rate: float = 0.0, blocks=()) -> dict:
+        """After an optimizer step: the step's routed counts summed over every rank (collective over the world),
+        the load-imbalance figure, and (moe.balance=bias) each router's bias update. Resets the step's counts."""
+        import torch.distributed as dist
+        if not self.counts:
+            return {}
+        layers = sorted(self.counts)
+        counts_LE = torch.stack([self.counts[i] for i in layers])
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(counts_LE)
+        self.counts = {}
+        if self.balance == "bias":
+            by_layer = dict(zip(layers, counts_LE))
+            for block in blocks:
+                update_expert_bias(block.gate.expert_bias, by_layer[block.layer_id].to(block.gate.expert_bias.device),
+                                   bias_update_rate)
+        return {"moe_imbalance": imbalance(counts_LE)}
+
 
 class MoEBlock(torch.nn.Module):
     def __init__(self, spec: MoESpec, layer_id: int = 0):
@@ -126,7 +144,7 @@ class MoEBlock(torch.nn.Module):
             dispatcher = AllToAllDispatcher(self.spec.num_experts)
         else:
             dispatcher = ctx.dispatcher
-            if ctx.collecting:
+            if ctx.collecting and torch.is_grad_enabled():  # training forwards only, never an evaluation
                 self._record(ctx, experts_Tk, probs_TE, B, s)
         x_TD = self.fc1_latent_proj(x_TH) if self.spec.latent_size else x_TH
         x_ND, handle = dispatcher.dispatch(x_TD, experts_Tk, weights_Tk)

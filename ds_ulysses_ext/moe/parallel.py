@@ -110,8 +110,9 @@ def enable_expert_parallel(model, topology: Topology, settings: MoESettings = Mo
     if not blocks:
         raise UnsupportedError(f"{type(model).__name__} has no MoE block we know how to split; "
                                "set parallelism.ep=1 for a dense model")
-    if settings.balance == "bias" and any(b.gate.expert_bias is None for b in blocks):
-        raise UnsupportedError("moe.balance=bias needs the routers' expert_bias buffer; build the model with it")
+    for block in blocks:
+        if settings.balance == "bias" and block.gate.expert_bias is None:
+            block.gate.add_expert_bias()
     ctx = MoEContext(dispatcher=_dispatcher(settings, blocks[0].spec.num_experts, topology),
                      cp_group=topology.cp_group, balance=settings.balance)
     for block in blocks:

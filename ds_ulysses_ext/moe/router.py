@@ -28,11 +28,15 @@ class TopKRouter(torch.nn.Module):
             raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
         self.num_experts, self.top_k, self.score, self.norm_topk_prob = num_experts, top_k, score, norm_topk_prob
         self.weight = torch.nn.Parameter(torch.zeros(num_experts, hidden_size))
+        self.expert_bias = None
         if expert_bias:
-            # fp32 whatever the model dtype: updates of 1e-3 would vanish in bf16
-            self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32), persistent=True)
-        else:
-            self.expert_bias = None
+            self.add_expert_bias()
+
+    def add_expert_bias(self) -> None:
+        # fp32 whatever the model dtype: updates of 1e-3 would vanish in bf16
+        del self.expert_bias
+        self.register_buffer("expert_bias", torch.zeros(self.num_experts, dtype=torch.float32,
+                                                        device=self.weight.device), persistent=True)
 
     def forward(self, x_TH: torch.Tensor):
         """-> (weights_Tk fp32 combine weights, experts_Tk int64 global ids, probs_TE fp32 for the balance loss).

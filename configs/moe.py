@@ -1,0 +1,69 @@
+"""MoEConfig: how MoE layers route, balance, dispatch and save memory (docs/moe.md). Read only for MoE families."""
+
+from dataclasses import dataclass
+
+MOE_DISPATCHERS = ("auto", "alltoall", "deepep")
+MOE_BALANCES = ("aux", "bias", "none")
+MOE_RECOMPUTE = ("none", "act", "experts")
+
+
+@dataclass
+class MoEConfig:
+    # auto: DeepEP's normal mode on CUDA when deep_ep imports and ep is 2, 4 or 8 (logged), else torch all-to-all
+    dispatcher: str = "auto"
+    # aux: per-sequence balance loss (layout-independent); bias: aux-loss-free expert-bias update; none
+    balance: str = "aux"
+    aux_loss_coef: float = 1e-3  # weight of the balance loss (summed over layers, mean over sequences)
+    bias_update_rate: float = 1e-3  # moe.balance=bias: bias step per optimizer step
+    # none | act (recompute the SwiGLU activation) | experts (keep only the dispatched inputs, rerun the expert FFN
+    # in backward, recompute_group_size experts at a time)
+    recompute: str = "none"
+    recompute_group_size: int = 1
+    offload_inputs: bool = False  # keep what the experts save for backward in pinned host memory
+
+
+# families whose MoE blocks ds_ulysses_ext.moe replaces (and so can split over ep); other MoE families run HF's
+EP_FAMILIES = ("qwen3_moe", "latent_moe")
+
+
+def check_moe(cfg, world_size: int) -> None:
+    """The moe.* rules and EP's rules that need more than the expert count (validate.py checks that)."""
+    from configs.errors import ConfigError
+
+    def require(ok: bool, message: str) -> None:
+        if not ok:
+            raise ConfigError(message)
+
+    moe, ep, family, arch = cfg.moe, cfg.parallelism.ep, cfg.model.family, cfg.model.arch
+    for key, value, choices in (("dispatcher", moe.dispatcher, MOE_DISPATCHERS), ("balance", moe.balance, MOE_BALANCES),
+                                ("recompute", moe.recompute, MOE_RECOMPUTE)):
+        require(value in choices, f"moe.{key}={value} is not one of {{{', '.join(choices)}}}; set moe.{key} to one of them")
+    require(moe.aux_loss_coef >= 0, f"moe.aux_loss_coef={moe.aux_loss_coef} must be >= 0 (0: the loss is logged only)")
+    require(moe.bias_update_rate > 0 or moe.balance != "bias",
+            f"moe.balance=bias needs moe.bias_update_rate > 0, got {moe.bias_update_rate}")
+    require(moe.recompute_group_size >= 1, f"moe.recompute_group_size={moe.recompute_group_size} must be >= 1 "
+            "(1 = one expert at a time)")
+    is_moe = family in EP_FAMILIES
+    require(is_moe or (moe.recompute == "none" and not moe.offload_inputs),
+            f"moe.recompute={moe.recompute} / moe.offload_inputs={moe.offload_inputs} apply to MoE layers, and "
+            f"model.family={family} has none we split; set moe=default")
+    require(ep == 1 or is_moe,
+            f"parallelism.ep={ep} with model.family={family}: experts are split only for {', '.join(EP_FAMILIES)}; "
+            "set parallelism.ep=1")
+    require(ep == 1 or cfg.deepspeed.zero_stage == 3,
+            f"parallelism.ep={ep} needs deepspeed=zero3 (got zero_stage={cfg.deepspeed.zero_stage}): ZeRO-2 would "
+            "average different ranks' experts together; use deepspeed=zero3 or parallelism.ep=1")
+    require(not arch.get("output_router_logits", False),
+            "model.arch.output_router_logits=true asks for HF's load-balancing loss, which pools the batch and every "
+            "layer and so changes with the cp split; set it false and use moe.balance=aux (moe.aux_loss_coef)")
+    act = arch.get("hidden_act", "silu")
+    require(not is_moe or act == "silu",
+            f"model.arch.hidden_act={act}: our experts compute SwiGLU (silu); use a model with silu experts")
+    if moe.dispatcher == "deepep":
+        import importlib.util
+        require(importlib.util.find_spec("deep_ep") is not None,
+                "moe.dispatcher=deepep needs the optional deep_ep package (DeepEP's 1.x line built from its "
+                "repository; the PyPI sdist does not build, docs/moe.md); use moe.dispatcher=alltoall or auto")
+        require(cfg.device != "cpu", "moe.dispatcher=deepep needs CUDA; use moe.dispatcher=alltoall on CPU")
+        require(ep in (2, 4, 8), f"moe.dispatcher=deepep with parallelism.ep={ep}: DeepEP's normal mode runs on 2, 4 "
+                "or 8 ranks of one node; use moe.dispatcher=alltoall or auto")
