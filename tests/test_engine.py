@@ -85,7 +85,7 @@ def assert_matches_stock_hf(out, row1, overrides):
     for key in ("loss", "grad_norm"):
         assert _rel(row1[key], ref[key]) < ANCHOR[key], (key, row1[key], ref[key])
     state = get_fp32_state_dict_from_zero_checkpoint(str(out / "checkpoints"), tag="step_00000001")
-    state = {k.removeprefix("hf."): v for k, v in state.items()}
+    state = {k.removeprefix("hf."): v.detach() for k, v in state.items()}
     assert state.keys() >= ref["weights"].keys()
     for name, want in ref["weights"].items():
         moved = want - ref["init"][name]
