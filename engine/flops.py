@@ -2,7 +2,8 @@
 
     FLOPs per step = 6 * N * T  +  6 * L * Hq * Dh * sum_over_sequences(S^2)
 
-N: parameters (tied embeddings counted once), T: tokens processed in the global batch, L: layers,
+N: parameters a token uses (tied embeddings counted once; in an MoE layer, its top_k experts' weights, not all E
+of them, whatever ep holds on this rank), T: tokens processed in the global batch, L: layers,
 Hq: query heads, Dh: head dim, S: each sequence's length (the global, unsplit length). The second term
 is causal attention: forward 2 * Hq * Dh * S^2 per layer (QK^T and PV, each S^2/2 * Dh * 2 per head),
 backward twice the forward. Recompute is NOT counted (MFU convention), so memory policies that
@@ -15,7 +16,11 @@ PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, 
 
 
 def count_params(model) -> int:
-    seen, total = set(), 0
+    """Parameters a token uses: dense ones once, and top_k experts' worth of each MoE layer."""
+    from ds_ulysses_ext.moe import moe_blocks
+    blocks = moe_blocks(model)
+    seen = {id(p) for b in blocks for p in b.experts.parameters()}
+    total = sum(b.spec.top_k * 3 * b.spec.intermediate_size * b.spec.expert_dim for b in blocks)
     for p in model.parameters():
         if id(p) in seen:
             continue

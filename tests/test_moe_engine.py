@@ -61,11 +61,15 @@ def test_moe_layouts_match_single_process(tmp_path, model):
 def test_expert_recompute_and_offload_leave_the_trajectory_unchanged(tmp_path):
     common = ["model=tiny_moe", "parallelism.cp=2", "parallelism.ep=2"]
     ref = train(tmp_path, "plain", 2, common)
-    for name, extra in {"act": ["moe.recompute=act"],
-                        "experts_g1_offload": ["moe.recompute=experts", "moe.offload_inputs=true"],
-                        "experts_g2_full": ["moe.recompute=experts", "moe.recompute_group_size=2",
-                                            "memory=full_recompute"]}.items():
-        assert_same(train(tmp_path, name, 2, common + extra), ref, name)
+    # world 1 too: there the whole-layer recompute is ZeRO-2's plain checkpoint, which checks that the recompute
+    # saves as many tensors as the forward did (the balance statistics must be recomputed, not skipped)
+    for name, world, extra in [("act", 2, ["moe.recompute=act"]),
+                               ("experts_g1_offload", 2, ["moe.recompute=experts", "moe.offload_inputs=true"]),
+                               ("experts_g2_full", 2, ["moe.recompute=experts", "moe.recompute_group_size=2",
+                                                       "memory=full_recompute"]),
+                               ("w1_experts_full", 1, ["moe.recompute=experts", "memory=full_recompute",
+                                                       "parallelism.ep=1", "parallelism.cp=1"])]:
+        assert_same(train(tmp_path, name, world, common + extra), ref, name)
 
 
 def test_bias_balance_updates_the_bias_the_same_on_every_layout(tmp_path):
@@ -110,3 +114,14 @@ def test_moe_export_gathers_every_expert(tmp_path):
     ids = torch.randint(0, 512, (1, 20), generator=torch.Generator().manual_seed(0))
     logits = [m(ids).logits for m in models]
     assert ((logits[1] - logits[0]).abs().max() / logits[0].abs().max()).item() < RTOL
+
+
+def test_flops_count_the_active_experts_only():
+    from engine.flops import count_params
+    from ds_ulysses_ext.moe.parallel import replace_hf_blocks
+    from tiny_models import tiny_model
+    model = tiny_model("qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16)
+    total = sum(p.numel() for p in model.parameters())
+    expert = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    replace_hf_blocks(model)
+    assert count_params(model) == total - expert + expert * 2 // 8  # top-2 of 8 experts per token

@@ -7,8 +7,10 @@ N token-slots this rank's experts receive, R = ep ranks of the EP group.
     combine:   y [N, D]                  ->  out [T, D] = sum_j weights[t, j] * y(t, j)   (fp32 accumulation)
 
 Dropless: every slot is delivered (capacity would depend on the local chunk, i.e. on the layout). Weights are
-applied in combine, in fp32, so that the sum over a token's k experts rounds the same whatever the layout
-(DeepEP's normal-mode combine is an unweighted fp32 sum too, so the weights go before it there).
+applied in combine, by one batched GEMM per token's k slots (fp32 accumulation, one rounding), so the sum rounds
+the same whatever the layout. Every reordering is a gather with a gather as its backward: no scatter-add, whose
+bf16 atomics are slow and nondeterministic on GPU. (DeepEP's normal-mode combine is an unweighted fp32 sum, so
+there the weights go before it: deepep.py.)
 
 `AllToAllDispatcher` is the reference: torch's autograd `all_to_all_single` over the EP group with uneven
 splits, exact on CPU (gloo) and GPU (NCCL). With one EP rank it only permutes locally. `DeepEPDispatcher`
@@ -29,11 +31,15 @@ class Handle:
     """What combine needs to undo a dispatch."""
     num_tokens: int
     token_of_slot_N: torch.Tensor  # sorted slot -> its token (the slots of this rank's tokens, expert-major)
-    weights_N: torch.Tensor  # fp32 routing weight of each sorted slot
+    weights_N: Optional[torch.Tensor]  # routing weight of each sorted slot (DeepEP's combine uses these)
     local_counts: list[int]  # received slots per local expert
+    weights_Tk: Optional[torch.Tensor] = None  # routing weights in token order (the all-to-all combine's)
+    slot_order_N: Optional[torch.Tensor] = None  # sorted position -> flat slot t * k + j
+    slot_inverse_N: Optional[torch.Tensor] = None  # flat slot -> sorted position
     send_splits: Optional[list[int]] = None
     recv_splits: Optional[list[int]] = None
     to_expert_major_N: Optional[torch.Tensor] = None  # received order (source-rank-major) -> expert-major
+    to_source_major_N: Optional[torch.Tensor] = None  # its inverse
 
 
 class AllToAllDispatcher:
@@ -50,30 +56,70 @@ class AllToAllDispatcher:
         T, k = experts_Tk.shape
         flat = experts_Tk.reshape(-1)
         order = torch.argsort(flat, stable=True)  # stable: a token's k slots keep their order inside an expert
-        token_of_slot = order // k
-        x_sorted = x_TD[token_of_slot]
-        weights_N = weights_Tk.reshape(-1)[order].float()
+        inverse = _inverse(order)
+        x_sorted = _ExpandToSlots.apply(x_TD, order, inverse, k)
         counts_E = torch.bincount(flat, minlength=self.num_experts)
+        handle = Handle(T, order // k, None, [], weights_Tk=weights_Tk, slot_order_N=order, slot_inverse_N=inverse)
         if self.ep == 1:
-            return x_sorted, Handle(T, token_of_slot, weights_N, counts_E.tolist())
+            handle.local_counts = counts_E.tolist()
+            return x_sorted, handle
         counts_RE = counts_E.view(self.ep, self.num_local)
         recv_RE = torch.empty_like(counts_RE)
         dist.all_to_all_single(recv_RE, counts_RE, group=self.group)  # how many slots each source sends per expert
         send, recv = counts_RE.sum(1).tolist(), recv_RE.sum(1).tolist()  # one host sync: the splits must be known
         x_recv = _exchange(x_sorted, recv, send, self.group)
         perm = _source_major_to_expert_major(recv_RE, sum(recv))
-        handle = Handle(T, token_of_slot, weights_N, recv_RE.sum(0).tolist(), send, recv, perm)
-        return x_recv[perm], handle
+        handle.local_counts, handle.send_splits, handle.recv_splits = recv_RE.sum(0).tolist(), send, recv
+        handle.to_expert_major_N, handle.to_source_major_N = perm, _inverse(perm)
+        return _Permute.apply(x_recv, perm, handle.to_source_major_N), handle
 
     def combine(self, y_ND: torch.Tensor, handle: Handle) -> torch.Tensor:
         if handle.to_expert_major_N is not None:
-            inverse = torch.empty_like(handle.to_expert_major_N)
-            inverse[handle.to_expert_major_N] = torch.arange(inverse.numel(), device=inverse.device)
-            y_source_major = y_ND[inverse]
+            y_source_major = _Permute.apply(y_ND, handle.to_source_major_N, handle.to_expert_major_N)
             y_ND = _exchange(y_source_major, handle.send_splits, handle.recv_splits, self.group)
-        weighted = y_ND.float() * handle.weights_N[:, None]
-        out = weighted.new_zeros(handle.num_tokens, y_ND.shape[1]).index_add(0, handle.token_of_slot_N, weighted)
-        return out.to(y_ND.dtype)
+        T, k = handle.weights_Tk.shape
+        y_TkD = _Permute.apply(y_ND, handle.slot_inverse_N, handle.slot_order_N).view(T, k, -1)
+        # one batched [1, k] x [k, D] product per token: the weighted sum of its k experts, accumulated in fp32 by
+        # the GEMM and rounded once (no scatter-add: no atomics, the same order on every layout)
+        w_T1k = handle.weights_Tk.to(y_ND.dtype).unsqueeze(1)
+        return torch.bmm(w_T1k, y_TkD).squeeze(1)
+
+
+class _Permute(torch.autograd.Function):
+    """x[perm] for a permutation `perm` with inverse `inv`: the backward is a gather too, not a scatter-add."""
+
+    @staticmethod
+    def forward(ctx, x, perm, inv):
+        ctx.save_for_backward(inv)
+        return x[perm]
+
+    @staticmethod
+    def backward(ctx, grad):
+        inv, = ctx.saved_tensors
+        return grad[inv], None, None
+
+
+class _ExpandToSlots(torch.autograd.Function):
+    """x [T, D] -> one row per (token, choice) slot [T*k, D], in sorted slot order. The backward sums each token's
+    k slot gradients (a reduction in fp32 accumulation, deterministic) instead of scatter-adding them."""
+
+    @staticmethod
+    def forward(ctx, x_TD, order, inverse, k):
+        ctx.save_for_backward(inverse)
+        ctx.k = k
+        return x_TD[order // k]
+
+    @staticmethod
+    def backward(ctx, grad_ND):
+        inverse, = ctx.saved_tensors
+        g = grad_ND[inverse]
+        return g.view(-1, ctx.k, g.shape[-1]).sum(1), None, None, None
+
+
+def _inverse(perm: torch.Tensor) -> torch.Tensor:
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel(), device=perm.device)
+    return inv
 
 
 def _exchange(x_ND: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:

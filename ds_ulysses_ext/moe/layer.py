@@ -144,8 +144,10 @@ class MoEBlock(torch.nn.Module):
             dispatcher = AllToAllDispatcher(self.spec.num_experts)
         else:
             dispatcher = ctx.dispatcher
-            if ctx.collecting and torch.is_grad_enabled():  # training forwards only, never an evaluation
-                self._record(ctx, experts_Tk, probs_TE, B, s)
+            if torch.is_grad_enabled():  # training forwards only, never an evaluation
+                # computed in a recompute too (then not recorded): a checkpointed layer must save the same tensors
+                # in its recomputation as in its forward
+                self._balance(ctx, experts_Tk, probs_TE, B, s)
         x_TD = self.fc1_latent_proj(x_TH) if self.spec.latent_size else x_TH
         x_ND, handle = dispatcher.dispatch(x_TD, experts_Tk, weights_Tk)
         y_ND = self.experts(x_ND, handle.local_counts)
@@ -155,7 +157,7 @@ class MoEBlock(torch.nn.Module):
             out_TH = out_TH + self.shared_experts(x_TH)
         return out_TH.reshape(B, s, H)
 
-    def _record(self, ctx: MoEContext, experts_Tk, probs_TE, B: int, s: int) -> None:
+    def _balance(self, ctx: MoEContext, experts_Tk, probs_TE, B: int, s: int) -> None:
         mask = ctx.token_mask_Bs
         if mask is None:
             mask = torch.ones(B, s, device=probs_TE.device)
