@@ -4,11 +4,11 @@ Legend: B batch, S sequence, hq query heads, hkv key/value heads (hq % hkv == 0)
 Every backend takes and returns the [B, S, h, D] layout and handles GQA natively (no repeat_kv).
 
 - `sdpa`: torch scaled_dot_product_attention. On Hopper it dispatches to cuDNN attention for these
-  shapes (539 TFLOP/s fwd+bwd at 128k, research/gpu_baseline.md); on CPU it runs the math kernel.
+  shapes; on CPU it runs the math kernel.
 - `flash_attn`: flash-attn 2/3 `flash_attn_func`, imported lazily (a GPU-only optional extra).
 - `fa4`: FlashAttention-4 (`flash_attn.cute.flash_attn_func`, package flash-attn-4; Hopper/Blackwell), lazily;
-  at 128k on an H200, 629 TFLOP/s fwd+bwd against cuDNN's 546 at head dim 128 and 542 against 434 at head
-  dim 64 (docs/benchmarks.md).
+  faster than cuDNN attention at long context on an H200, most at head dim 64. Measured speeds of every kernel:
+  docs/benchmarks.md (section A), where the numbers are kept up to date.
 - `auto`: on CUDA in bf16/fp16 the first that imports of fa4, flash_attn, else sdpa; sdpa on CPU and in fp32.
 The choice is logged once per process per (backend, device type).
 

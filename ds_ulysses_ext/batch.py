@@ -2,7 +2,7 @@
 
 Legend: B batch, S sequence (padded to Sp, a multiple of cp), s = Sp / cp local sequence.
 
-Order matters for exactness (DESIGN 3.1):
+Order matters for exactness (docs/design.md §1.1):
 1. shift the labels on the FULL sequence (target of position i is token i+1), so the first token of
    each chunk is predicted by the previous chunk's last position with no collective;
 2. pad to a multiple of cp: pad tokens get label -100 and continue the position count;
