@@ -1,7 +1,8 @@
 """scripts/train.py end to end on CPU/gloo: exactness across layouts, resume, HF export, launchers.
 
 The single-process run (world 1) is the reference; every other layout must give the same loss and
-grad_norm at every step (fp32, rel 1e-5) on the same global batch. The tiny model's sequences (30
+grad_norm at every step (fp32, rel 1e-5) on the same global batch. World 1 itself is checked against one step
+of stock HF + torch AdamW (tests/hf_reference.py), on ZeRO-2 and on ZeRO-3. The tiny model's sequences (30
 tokens) are not a multiple of cp=4, and the synthetic data masks 30% of labels plus a leading 60% of
 every 4th sample, so chunks that hold only masked targets occur.
 """
