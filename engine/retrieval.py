@@ -67,11 +67,14 @@ def score_retrieval(model, task: PasskeyTask, seed: int, lengths: Sequence[int],
     try:
         for L in dict.fromkeys(int(x) for x in lengths):  # one width per batch: collate pads to L
             items = [(c, j) for c, (cl, _) in enumerate(cells) if cl == L for j in range(per_cell)]
-            samples = {it: grid_sample(task, seed, L, cells[it[0]][1], it[1]).as_item() for it in items}
-            filler = {**next(iter(samples.values()))}
+
+            def make(item, L=L):  # built where it is scored: each rank makes only its own samples
+                return grid_sample(task, seed, L, cells[item[0]][1], item[1]).as_item()
+
+            filler = make(items[0])
             filler["labels"] = torch.full_like(filler["labels"], IGNORE_INDEX)
             for idx in local_eval_batches(items, topo.dp_rank, dp, micro_batch_size):
-                batch = collate([samples[i] if i is not None else filler for i in idx], L, pad_id)
+                batch = collate([make(i) if i is not None else filler for i in idx], L, pad_id)
                 shard = {k: v.to(device) for k, v in shard_batch(batch, topo, pad_id).items()}
                 hits, counts = answer_hits(lm, shard, topo)
                 ok = ((hits == counts) & (counts > 0)).double()

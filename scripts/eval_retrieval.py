@@ -143,7 +143,7 @@ def run(cfg: RetrievalEvalConfig) -> dict:
                              plan.micro_batch_size, pad_id_of(task.tok), rt.device)
     result["model"] = train_cfg.model.path
     if rt.is_main:
-        json_path, png_path = write_retrieval(result, out_dir, f"{Path(train_cfg.model.path).name}: passkey "
+        json_path, png_path = write_retrieval(result, out_dir, f"{Path(cfg.target).resolve().name}: passkey "
                                               f"retrieval, mean {result['mean_accuracy']:.2f}")
         print(f"mean_accuracy: {result['mean_accuracy']:.4f}\nretrieval: {json_path}\nheatmap: {png_path}",
               flush=True)
