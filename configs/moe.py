@@ -19,7 +19,7 @@ class MoEConfig:
     # in backward, recompute_group_size experts at a time)
     recompute: str = "none"
     recompute_group_size: int = 1
-    offload_inputs: bool = False  # keep what the experts save for backward in pinned host memory
+    offload_inputs: bool = False  # with recompute=experts: the dispatched inputs wait for backward in pinned host memory
 
 
 # families whose MoE blocks ds_ulysses_ext.moe replaces (and so can split over ep); other MoE families run HF's
@@ -43,6 +43,9 @@ def check_moe(cfg, world_size: int) -> None:
             f"moe.balance=bias needs moe.bias_update_rate > 0, got {moe.bias_update_rate}")
     require(moe.recompute_group_size >= 1, f"moe.recompute_group_size={moe.recompute_group_size} must be >= 1 "
             "(1 = one expert at a time)")
+    require(not moe.offload_inputs or moe.recompute == "experts",
+            f"moe.offload_inputs=true needs moe.recompute=experts (got {moe.recompute}): then the dispatched inputs are "
+            "all the experts keep for backward, and they are what goes to host memory")
     is_moe = family in EP_FAMILIES
     require(is_moe or (moe.recompute == "none" and not moe.offload_inputs),
             f"moe.recompute={moe.recompute} / moe.offload_inputs={moe.offload_inputs} apply to MoE layers, and "

@@ -111,7 +111,7 @@ def test_some_experts_get_no_tokens():
 
 
 @pytest.mark.parametrize("mode,group,offload", [("act", 1, False), ("experts", 1, False), ("experts", 3, True),
-                                                ("none", 1, True)])
+                                                ("experts", 8, True)])
 def test_recompute_and_offload_are_exact_and_rerun_the_experts(mode, group, offload):
     spec = SPECS["softmax_norm"]
     x = torch.randn(2, 7, spec.hidden_size)

@@ -18,12 +18,9 @@ else, which is the reference. Memory (`recompute`):
 - "act": the SwiGLU activation (silu(gate) * up) is recomputed in backward instead of kept;
 - "experts": only the dispatched inputs are kept; each group of `group_size` experts runs its whole FFN again in
   backward, so at most one group's intermediates are alive at a time.
-`offload_inputs` keeps what autograd saves here in pinned host memory (with "experts", exactly the dispatched
-inputs) and brings it back for the backward.
+`offload_inputs` (with "experts") keeps the dispatched inputs in pinned host memory until the backward.
 """
 from __future__ import annotations
-
-import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -50,44 +47,81 @@ class GroupedExperts(torch.nn.Module):
         self.ffn_calls = 0  # expert-group FFN evaluations, forward and recompute alike (tests count recompute)
 
     def forward(self, x_ND: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        with self._offload():
-            if self.recompute == "experts":
-                return self._grouped_recompute(x_ND, counts)
-            return self._ffn(x_ND, counts, 0, self.num_local_experts)
+        if self.recompute == "experts":
+            return _RecomputedExperts.apply(x_ND, self.gate_up_proj, self.down_proj, self, counts)
+        return self._ffn(x_ND, counts, self.gate_up_proj, self.down_proj)
 
-    def _offload(self):
-        if not self.offload_inputs:
-            return contextlib.nullcontext()
-        return torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
-
-    def _grouped_recompute(self, x_ND: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        outs, start = [], 0
+    def groups(self, counts: list[int]):
+        """(first expert, last expert + 1, first row, rows) of each recompute group."""
+        row = 0
         for first in range(0, self.num_local_experts, self.group_size):
             last = min(first + self.group_size, self.num_local_experts)
             n = sum(counts[first:last])
-            outs.append(checkpoint(self._ffn, x_ND[start:start + n], counts, first, last, use_reentrant=False))
-            start += n
-        return torch.cat(outs) if len(outs) > 1 else outs[0]
+            yield first, last, row, n
+            row += n
 
-    def _ffn(self, x_ND: torch.Tensor, counts: list[int], first: int, last: int) -> torch.Tensor:
-        """Experts first..last-1 on their rows of x (grouped by expert, in order)."""
+    def _ffn(self, x_ND: torch.Tensor, counts: list[int], gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        """The experts whose weights are given ([G, 2I, D], [G, D, I]) on their rows of x, grouped in order."""
         self.ffn_calls += 1
-        gate_up, down = self.gate_up_proj[first:last], self.down_proj[first:last]
-        group_counts = counts[first:last]
         if _grouped_mm_ok(x_ND, gate_up):
-            return self._grouped_mm(x_ND, gate_up, down, group_counts)
+            offs = torch.tensor(counts, device=x_ND.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+            h = torch._grouped_mm(x_ND, gate_up.transpose(-2, -1), offs=offs)
+            a = checkpoint(_swiglu, h, use_reentrant=False) if self.recompute == "act" else _swiglu(h)
+            return torch._grouped_mm(a, down.transpose(-2, -1), offs=offs)
         outs = []
-        for e, rows in enumerate(torch.split(x_ND, group_counts)):
+        for e, rows in enumerate(torch.split(x_ND, counts)):
             h = F.linear(rows, gate_up[e])
             a = checkpoint(_swiglu, h, use_reentrant=False) if self.recompute == "act" else _swiglu(h)
             outs.append(F.linear(a, down[e]))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
-    def _grouped_mm(self, x_ND, gate_up, down, group_counts):
-        offs = torch.tensor(group_counts, device=x_ND.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        h = torch._grouped_mm(x_ND, gate_up.transpose(-2, -1), offs=offs)
-        a = checkpoint(_swiglu, h, use_reentrant=False) if self.recompute == "act" else _swiglu(h)
-        return torch._grouped_mm(a, down.transpose(-2, -1), offs=offs)
+
+class _RecomputedExperts(torch.autograd.Function):
+    """moe.recompute=experts: keep only the dispatched rows (optionally in pinned host memory) and the weights.
+
+    Backward reruns one group of experts at a time under autograd and writes that group's input and weight
+    gradients straight into full-size buffers. (torch.utils.checkpoint per group would give each group's weight
+    slice a gradient the size of the whole stacked weight, zero-filled and summed: E / group_size full-size passes.)
+    """
+
+    @staticmethod
+    def forward(ctx, x_ND, gate_up, down, module: "GroupedExperts", counts: list[int]):
+        with torch.no_grad():
+            outs = [module._ffn(x_ND[r:r + n], counts[a:b], gate_up[a:b], down[a:b])
+                    for a, b, r, n in module.groups(counts)]
+        ctx.module, ctx.counts, ctx.device = module, counts, x_ND.device
+        ctx.offloaded = module.offload_inputs
+        if ctx.offloaded:  # the dispatched rows are all the experts keep: they wait for backward in host memory
+            host = torch.empty(x_ND.shape, dtype=x_ND.dtype, device="cpu", pin_memory=x_ND.is_cuda)
+            host.copy_(x_ND, non_blocking=True)
+            ctx.save_for_backward(gate_up, down)
+            ctx.host = host
+        else:
+            ctx.save_for_backward(gate_up, down, x_ND)
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+    @staticmethod
+    def backward(ctx, grad_ND):
+        if ctx.offloaded:
+            gate_up, down = ctx.saved_tensors
+            x_ND = ctx.host.to(ctx.device, non_blocking=True)
+        else:
+            gate_up, down, x_ND = ctx.saved_tensors
+        module, counts = ctx.module, ctx.counts
+        grad_x = torch.empty_like(x_ND)
+        grad_gate_up, grad_down = torch.zeros_like(gate_up), torch.zeros_like(down)
+        for a, b, r, n in module.groups(counts):
+            with torch.enable_grad():
+                x = x_ND[r:r + n].detach().requires_grad_()
+                w1 = gate_up[a:b].detach().requires_grad_()
+                w2 = down[a:b].detach().requires_grad_()
+                y = module._ffn(x, counts[a:b], w1, w2)
+                gx, g1, g2 = torch.autograd.grad(y, (x, w1, w2), grad_ND[r:r + n], allow_unused=True)
+            grad_x[r:r + n] = gx if gx is not None else 0
+            if g1 is not None:
+                grad_gate_up[a:b] = g1
+                grad_down[a:b] = g2
+        return grad_x, grad_gate_up, grad_down, None, None
 
 
 def _grouped_mm_ok(x_ND: torch.Tensor, weight: torch.Tensor) -> bool:

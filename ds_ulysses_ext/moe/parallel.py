@@ -44,6 +44,8 @@ class MoESettings:
                                      ("recompute", self.recompute, RECOMPUTE_MODES)):
             if value not in choices:
                 raise UnsupportedError(f"moe.{name}={value} is not one of {choices}")
+        if self.offload_inputs and self.recompute != "experts":
+            raise UnsupportedError("moe.offload_inputs=true needs moe.recompute=experts")
 
 
 def hf_moe_spec(config, expert_bias: bool = False) -> MoESpec:
