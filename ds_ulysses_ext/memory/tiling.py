@@ -24,6 +24,7 @@ is one scalar all-reduce per forward; asserting equality instead would cost the 
 """
 from __future__ import annotations
 
+import logging
 import math
 from typing import Callable
 
@@ -32,6 +33,8 @@ import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 from .policy import MemoryPolicy, decoder_layers, decoder_of
+
+log = logging.getLogger(__name__)
 
 
 def num_tiles(num_tokens: int, tile_tokens: int) -> int:
@@ -67,8 +70,17 @@ class TiledMLP(MemoryPolicy):
     def _apply(self, model: torch.nn.Module) -> None:
         decoder = decoder_of(model)
         self._hook(decoder.register_forward_pre_hook(self._agree_on_tiles, with_kwargs=True))
+        from ..moe.layer import MoEBlock
+        skipped = 0
         for layer in decoder_layers(model):
+            if isinstance(layer.mlp, MoEBlock):
+                # an MoE block routes and balances per sequence ([B, s] statistics): token tiles would split that,
+                # and moe.recompute=experts already bounds what its experts keep
+                skipped += 1
+                continue
             self._wrap_forward(layer.mlp, self._tiled)
+        if skipped:
+            log.info("tiled MLP: %d MoE layers are not tiled (moe.recompute=experts bounds their memory)", skipped)
 
     def _tiled(self, forward: Callable) -> Callable:
         def wrapper(x):
