@@ -29,8 +29,8 @@
 #                which is over the device's 10-minute command limit on one H200
 #   moe_block    the MoE block, Qwen3-30B-A3B shape, bf16 fwd+bwd at 16k and 64k tokens: ours (scripts/bench_moe.py,
 #                recompute none / experts / experts + offload) and the anchor, HF's grouped_mm block (moe_bench.py)
-#   moe_train    training steps of the 4-layer Qwen3-30B-A3B shape: ours ($MOE_POINTS, S:memory, with
-#                moe=expert_recompute and bf16 master weights) and stock HF (moe_model_bench.py) at $MOE_HF_SEQS
+#   moe_train    training steps of the 4-layer Qwen3-30B-A3B shape: ours ($MOE_POINTS, S:memory, bf16 master weights,
+#                $MOE_EXTRA, default moe=expert_recompute) and stock HF (moe_model_bench.py) at $MOE_HF_SEQS
 #   train_1m_4l  the same 1M-token step with 4 of the 16 layers: GPU memory is set by one layer's working set
 #                plus offloaded inputs (host), so this shows whether 1M fits; time scales ~linearly with layers
 #   bg_1m_start  the full 16-layer 1M step ($BG_POINT, default 1048576:long_context; $BG_ARGS: more bench_train
@@ -77,11 +77,11 @@ for part in ${*:-attn train_short train_long}; do
     bg_1m_start) BG=/tmp/bg1m bash scripts/bench_bg.sh start "python3 scripts/bench_train.py --points \
                    ${BG_POINT:-1048576:long_context} --steps 1 --timeout 1700 ${BG_ARGS:-}" ;;
     bg_1m_wait) BG=/tmp/bg1m bash scripts/bench_bg.sh wait "${WAIT_S:-570}" ;;
-    moe_block) python3 scripts/bench_moe.py --tokens 16384,65536 --modes ${MOE_MODES:-none,experts,experts_offload} \
+    moe_block) python3 scripts/bench_moe.py --tokens 16384,65536 --modes ${MOE_MODES:-none,experts_g8,experts,experts_offload} \
                  | tee -a "$OUT/moe_block.jsonl"
                python3 .bench/anchor-bench/moe_bench.py --tokens 16384,65536 --impls grouped_mm | tee -a "$OUT/moe_block.jsonl" ;;
     moe_train) python3 scripts/bench_train.py --model qwen3_30b_a3b_4l --points ${MOE_POINTS:-32768:full_recompute,131072:full_recompute} \
-                 --steps 3 deepspeed.master_weights=bf16 moe=expert_recompute moe.dispatcher=alltoall ${EXTRA:-}
+                 --steps 3 deepspeed.master_weights=bf16 ${MOE_EXTRA-moe=expert_recompute} moe.dispatcher=alltoall ${EXTRA:-}
                python3 .bench/anchor-bench/moe_model_bench.py --seqs ${MOE_HF_SEQS:-32768,65536} --layers 4 | tee -a "$OUT/moe_train_hf.jsonl" ;;
     train_1m) python3 scripts/bench_train.py --points 1048576:long_context --steps 1 --timeout 580 ;;
     train_1m_4l) python3 scripts/bench_train.py --points 1048576:long_context --steps 1 --timeout 580 \
