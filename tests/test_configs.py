@@ -310,7 +310,7 @@ REFUSALS = [
         2,
         r"data\.source=jsonl needs data\.tokenizer_path; set data\.tokenizer_path=",
     ),
-    ("data_source", ["data.source=hf"], 2, r"data\.source=hf is not one of \{synthetic, jsonl, demo\}; set data\."),
+    ("data_source", ["data.source=hf"], 2, r"data\.source=hf is not one of \{synthetic, jsonl, demo, passkey\}; set data\."),
     ("data_format", ["data.format=parquet"], 2, r"data\.format=parquet is not one of \{text, chat\}; set data\."),
     ("overlong", ["data.overlong=wrap"], 2, r"data\.overlong=wrap is not one of \{truncate, drop\}; set data\."),
     ("on_bad_line", ["data.on_bad_line=warn"], 2, r"data\.on_bad_line=warn is not one of \{skip, fail\}"),
