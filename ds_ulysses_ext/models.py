@@ -49,6 +49,12 @@ def check_model_config(config, cp: int) -> None:
             f"{sorted(SUPPORTED)}. Use one of those or run with parallelism.cp=1")
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedError("encoder-decoder models are not supported under context parallelism")
+    if getattr(config, "output_router_logits", False):
+        # CPCausalLM calls the decoder and computes the loss itself: HF's router loss would be dropped silently
+        raise UnsupportedError(
+            "output_router_logits=true asks for HF's load-balancing loss, which CPCausalLM does not compute (and which "
+            "pools the batch and every layer, so it would change with the cp split). Set output_router_logits=false; "
+            "for a balance loss use enable_expert_parallel (moe.balance=aux), whose per-sequence loss is exact under cp")
     check_rope(config, cp)
     num_q = config.num_attention_heads
     num_kv = getattr(config, "num_key_value_heads", None) or num_q

@@ -63,6 +63,8 @@ def test_group_preset_composes_and_validates(group, name):
     overrides = [f"{group}={name}", "trainer.global_batch_size=8"]  # 8 ranks: every cp preset divides 8
     if (group, name) == ("data", "jsonl"):  # the user must give its paths
         overrides += ["data.path=train.jsonl", "data.tokenizer_path=tok"]
+    if group == "moe":  # moe settings apply to a model with MoE layers (a dense model refuses them)
+        overrides += ["model=tiny_moe"]
     validate(compose_config(overrides), world_size=8)
 
 

@@ -44,19 +44,15 @@ class LatentMoeForCausalLM(Qwen3MoeForCausalLM):
             if isinstance(layer.mlp, Qwen3MoeSparseMoeBlock):
                 layer.mlp = MoEBlock(spec, layer_id)
         self.post_init()
-
-    @torch.no_grad()
-    def _init_weights(self, module):
-        std = self.config.initializer_range
-        if isinstance(module, GroupedExperts):
-            module.gate_up_proj.normal_(0.0, std)
-            module.down_proj.normal_(0.0, std)
-        elif isinstance(module, TopKRouter):
-            module.weight.normal_(0.0, std)
-        elif isinstance(module, (MoEBlock, SwiGLU)):
-            return  # their Linear children are initialised on their own
-        else:
-            super()._init_weights(module)
+        # HF initialises the decoder through the inner Qwen3MoeModel's _init_weights, which does not know our
+        # router and stacked experts: draw them here (HF's Linear init covers the latent projections and the shared
+        # expert). A checkpoint's weights overwrite these in from_pretrained.
+        with torch.no_grad():
+            for block in self.model.modules():
+                if isinstance(block, (GroupedExperts, TopKRouter)):
+                    for p in block.parameters(recurse=False):
+                        if p.numel() and not p.is_meta:
+                            p.normal_(0.0, config.initializer_range)
 
 
 def register_latent_moe() -> None:
