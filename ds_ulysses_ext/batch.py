@@ -1,12 +1,14 @@
-"""shard_batch: turn a full-sequence batch into this CP rank's contiguous chunk, exactly.
+"""shard_batch: turn a full-sequence batch into this CP rank's share of the tokens, exactly.
 
-Legend: B batch, S sequence (padded to Sp, a multiple of cp), s = Sp / cp local sequence.
+Legend: B batch, S sequence (padded to Sp: a multiple of cp, of 2 * cp with a ring), s = Sp / cp local sequence.
 
 Order matters for exactness (docs/design.md §1.1):
 1. shift the labels on the FULL sequence (target of position i is token i+1), so the first token of
    each chunk is predicted by the previous chunk's last position with no collective;
-2. pad to a multiple of cp: pad tokens get label -100 and continue the position count;
-3. split input_ids, the shifted labels and global position_ids into contiguous chunks.
+2. pad to a multiple of cp (2 * cp with a ring): pad tokens get label -100 and continue the position count;
+3. split input_ids, the shifted labels and global position_ids into this rank's share: contiguous chunk cp_rank
+   for Ulysses, its zigzag positions when topology.ring_size > 1 (zigzag.py). position_ids are always the
+   tokens' GLOBAL positions, so RoPE rotates every token as the unsplit model does.
 The returned `labels` are already shifted: compute the loss without shifting again (loss.py does).
 Right padding only; left padding, multimodal inputs and unknown tensors are refused.
 
@@ -16,7 +18,8 @@ document, and any step that is not +1 starts a new one (the rule HF's own masks 
 - `cp_cu_seqlens` [N+1] int32, the documents' boundaries over the whole padded batch (masks.py), is added
   to the shard. It is the same on every CP rank: after the all-to-all each rank attends over the whole
   sequence, so it needs the global boundaries, not its chunk's. Pads continue the last document.
-Every key returned except `labels` goes to the model's forward as is.
+Every key returned except `labels` goes to the model's forward as is. Packed rows under a ring are refused:
+the ring's block kernel has no document mask yet.
 """
 from __future__ import annotations
 
@@ -24,9 +27,10 @@ import torch
 
 from .errors import UnsupportedError
 from .integrate import MULTIMODAL_KEYS
-from .layout import chunk_bounds, padded_length
+from .layout import chunk_bounds
 from .masks import CU_SEQLENS_KEY, cu_seqlens_of, document_starts
 from .topology import Topology
+from .zigzag import padded_seq_len, rank_positions
 
 IGNORE_INDEX = -100
 KNOWN_KEYS = {"input_ids", "labels", "attention_mask", "position_ids"}
@@ -58,7 +62,11 @@ def _check_inputs(batch: dict) -> None:
 
 
 def _local(t_BSp: torch.Tensor, topology: Topology) -> torch.Tensor:
-    # this rank's share of a padded [B, Sp] tensor: the contiguous chunk cp_rank (Ulysses' layout)
+    # this rank's share of a padded [B, Sp] tensor: the contiguous chunk cp_rank (Ulysses' layout), or with a
+    # ring its zigzag positions
+    if topology.ring_size > 1:
+        idx = rank_positions(t_BSp.shape[1], topology.cp_size, topology.ring_size, topology.cp_rank, t_BSp.device)
+        return t_BSp[:, idx].contiguous()
     start, end = chunk_bounds(t_BSp.shape[1], topology.cp_size, topology.cp_rank)
     return t_BSp[:, start:end].contiguous()
 
@@ -70,7 +78,7 @@ def shard_batch(batch: dict, topology: Topology, pad_token_id: int = 0) -> dict:
         batch: input_ids [B, S]; labels [B, S] unshifted (HF convention, -100 = no loss), optional
             attention_mask [B, S] (right padding only), optional position_ids [B, S] (restarting at 0 for
             each document of a packed row).
-        topology: gives cp_size and cp_rank.
+        topology: gives cp_size, cp_rank and ring_size (the layout).
     Returns:
         {"input_ids": [B, s], "labels": [B, s] (shifted), "position_ids": [B, s]}, plus
         "cp_cu_seqlens": [N+1] int32 (global document boundaries) when a row holds several documents.
@@ -87,10 +95,13 @@ def shard_batch(batch: dict, topology: Topology, pad_token_id: int = 0) -> dict:
     if position_ids is not None:
         position_ids = position_ids.expand(B, S)
         starts = document_starts(position_ids)
+        if topology.ring_size > 1 and bool(starts[:, 1:].any()):
+            raise UnsupportedError(f"packed documents (position_ids restarting at 0) are not supported with ring "
+                                   f"attention (ring={topology.ring_size}): its block kernel has no document mask. "
+                                   "Set parallelism.ring=1 (Ulysses) or data.pack=false")
         # the last token of a document predicts nothing: the next token opens another document
         targets = targets.masked_fill(torch.cat([starts[:, 1:], torch.zeros_like(starts[:, :1])], 1), IGNORE_INDEX)
-    cp = topology.cp_size
-    Sp = padded_length(S, cp)
+    Sp = padded_seq_len(S, topology.cp_size, topology.ring_size)
     if Sp != S:
         extra = Sp - S
         input_ids = torch.cat([input_ids, input_ids.new_full((B, extra), pad_token_id)], dim=1)

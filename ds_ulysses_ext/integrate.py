@@ -12,7 +12,10 @@
   or with packed documents the in-document positions the global boundaries give) with one small all_gather
   of per-row coordinates, and that the exchanged length equals the global length; logs once that CP is active;
 - refuses attention masks and kwargs the CP attention would ignore (a mask that is not plain causal, a
-  left-padded 2D mask, HF's flash varlen kwargs, anything unknown).
+  left-padded 2D mask, HF's flash varlen kwargs, anything unknown);
+- with topology.ring_size > 1 runs ring / hybrid attention (ring.py) on the zigzag layout (zigzag.py), whose
+  positions the row check expects, and refuses packed documents, sliding windows and sinks, which the ring's
+  block kernel does not have yet (at enable time from the config, and again at the attention call).
 
 HF attention layout: query [B, Hq, s, D], key/value [B, Hkv, s, D] (RoPE already applied on the local
 chunk with global positions); the function returns ([B, s, Hq, D], None).
@@ -29,8 +32,10 @@ from .attention import ulysses_attention
 from .errors import UnsupportedError
 from .masks import CU_SEQLENS_KEY, positions_in_documents
 from .models import check_model_config
-from .rope import share_global_length
+from .ring import ring_attention
+from .rope import check_rope, share_global_length
 from .topology import Topology
+from .zigzag import rank_positions
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +86,16 @@ def _cp_attention(module, query, key, value, attention_mask, scaling=None, dropo
     q_BsHD, k_BsHD, v_BsHD = (t.transpose(1, 2) for t in (query, key, value))
     # right padding only (shard_batch enforces it), so a causal kernel needs no mask: real tokens never
     # attend to the trailing pads, and HF builds no mask for a custom attention name.
+    topo = state.topology
+    if topo.ring_size > 1:
+        _refuse_ring_features(topo, documents=cu_seqlens is not None, window=sliding_window is not None,
+                              sinks=s_aux is not None)
+
     def core():
-        return ulysses_attention(q_BsHD, k_BsHD, v_BsHD, group=state.topology.cp_group, causal=True,
+        if topo.ring_size > 1:
+            return ring_attention(q_BsHD, k_BsHD, v_BsHD, ring_group=topo.ring_group, ulysses_group=topo.ulysses_group,
+                                  causal=True, softmax_scale=scaling, backend=state.backend)
+        return ulysses_attention(q_BsHD, k_BsHD, v_BsHD, group=topo.cp_group, causal=True,
                                  softmax_scale=scaling, backend=state.backend, cu_seqlens=cu_seqlens,
                                  max_seqlen=state.max_seqlen, window=sliding_window, sinks=s_aux)
     # a memory policy may own how the core runs (memory/except_attention.py keeps it out of recompute)
@@ -90,6 +103,26 @@ def _cp_attention(module, query, key, value, attention_mask, scaling=None, dropo
     out = core() if wrapper is None else wrapper(core)
     _verify_length(state, q_BsHD.shape[1])
     return out, None
+
+
+def _refuse_ring_features(topology: Topology, *, documents: bool, window: bool, sinks: bool) -> None:
+    used = [name for name, on in (("packed documents", documents), ("sliding-window attention", window),
+                                  ("attention sinks", sinks)) if on]
+    if used:
+        raise UnsupportedError(
+            f"{' and '.join(used)} are not supported with ring attention (parallelism.ring={topology.ring_size}): "
+            "the ring's block kernel has no document, window or sink mask yet. Set parallelism.ring=1 (Ulysses; "
+            "the heads must split over cp) or, for packing, data.pack=false")
+
+
+def _ring_features_of(config) -> dict:
+    """What a model config switches on that the ring cannot run (HF's own spellings of each)."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        window = any(t != "full_attention" for t in layer_types)
+    else:
+        window = getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
+    return dict(documents=False, window=bool(window), sinks=getattr(config, "model_type", None) == "gpt_oss")
 
 
 def _is_plain_causal(mask: torch.Tensor, s: int) -> bool:
@@ -131,7 +164,11 @@ def _local_coords(position_ids: torch.Tensor, local_len: int, rows: int, cu_seql
     pos = position_ids.expand(rows, local_len)
     dev = pos.device
     if cu_seqlens is None:
-        expected = r * local_len + torch.arange(local_len, device=dev)
+        # global positions of this rank's share: contiguous chunk r, or its zigzag positions with a ring (a share
+        # that is no zigzag share at all is reported as a bad row, on every rank, instead of raising on this one)
+        ring = state.topology.ring_size
+        expected = (rank_positions(local_len * cp, cp, ring, r, dev) if ring == 1 or local_len % 2 == 0
+                    else torch.full_like(pos, -1))
         bounds = torch.tensor([-1, -1, 0], device=dev)
     else:
         cu = cu_seqlens.to(dev).long()
@@ -173,12 +210,18 @@ def _check_every_row(state: CPState, position_ids, local_len, rows, cu_seqlens, 
     for r, ci in enumerate(c):
         if ci["bad_row"] >= 0:
             where = (f"document positions from {CU_SEQLENS_KEY}" if cu_seqlens is not None
-                     else f"positions {r * local_len}..{(r + 1) * local_len - 1}")
+                     else f"positions {r * local_len}..{(r + 1) * local_len - 1}" if state.topology.ring_size == 1
+                     else f"zigzag positions (ring={state.topology.ring_size})")
             raise UnsupportedError(
                 f"CP rank {r} row {ci['bad_row']} has position_ids starting at {ci['bad_row_start']}, not the "
                 f"{where} of chunk {r} ({local_len} tokens each): the input is not this rank's sequence "
                 "chunk. Use shard_batch()")
     has_pad = [ci["mask_has_pad"] for ci in c]
+    if state.topology.ring_size > 1 and any(has_pad):
+        # zigzag rank order is not sequence order, so whether the pads trail cannot be read off per-rank flags
+        raise UnsupportedError("a 2D attention_mask with pads is not accepted under ring attention "
+                               f"(parallelism.ring={state.topology.ring_size}); pass the dict shard_batch() returns "
+                               "as is (its labels already mask the right pads, which causal attention never reads)")
     if any(ci["mask_has_hole"] for ci in c) or any(c[r]["mask_has_real"] and any(has_pad[:r]) for r in range(cp)):
         raise UnsupportedError("the attention_mask has a pad before a real token (left padding or holes); the "
                                "context-parallel attention is causal and ignores the mask, which is exact for right "
@@ -239,8 +282,14 @@ def attention_modules(model) -> list[torch.nn.Module]:
 
 
 def enable_context_parallel(model, topology: Topology, backend: str = "auto"):
-    """Install exact Ulysses attention into a supported HF causal LM. Returns the model."""
-    check_model_config(model.config, topology.cp_size)
+    """Install exact Ulysses (or with topology.ring_size > 1 ring / hybrid) attention into a supported HF causal LM."""
+    if topology.ring_size > 1:
+        # the heads split over the Ulysses group only; the ring keeps every head of its share
+        check_model_config(model.config, topology.ulysses_size)
+        check_rope(model.config, topology.cp_size)
+        _refuse_ring_features(topology, **_ring_features_of(model.config))
+    else:
+        check_model_config(model.config, topology.cp_size)
     _register_attention()
     model.set_attn_implementation(ATTN_NAME)
     state = CPState(topology=topology, backend=backend)

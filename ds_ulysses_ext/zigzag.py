@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .layout import padded_length
+from .layout import padded_length, valid_cp_values
 
 
 def layout_multiple(cp: int, ring: int) -> int:
@@ -47,3 +47,23 @@ def rank_positions(seq_len: int, cp: int, ring: int, cp_rank: int, device=None) 
     """[s] the global positions CP rank cp_rank holds, in its local order."""
     s = seq_len // cp
     return zigzag_order(seq_len, cp, ring, device)[cp_rank * s:(cp_rank + 1) * s]
+
+
+def valid_ring_sizes(num_q_heads: int, num_kv_heads: int, cp: int) -> list[int]:
+    """Ring sizes that divide cp and leave a Ulysses group u = cp / ring that splits the heads (layout.py's rule)."""
+    splits = valid_cp_values(num_q_heads, num_kv_heads)
+    return [ring for ring in range(1, cp + 1) if cp % ring == 0 and cp // ring in splits]
+
+
+def auto_ring_size(num_q_heads: int, num_kv_heads: int, cp: int) -> tuple[int, str]:
+    """(ring, why): 1 when the heads split over cp (pure Ulysses), else the smallest ring that makes them split.
+
+    The smallest ring keeps the largest Ulysses group: all-to-all inside consecutive (node-local) ranks, and the
+    fewest ring hops. Always found: ring = cp (u = 1) splits any head count.
+    """
+    ring = valid_ring_sizes(num_q_heads, num_kv_heads, cp)[0]
+    if ring == 1:
+        return 1, f"the {num_q_heads} query / {num_kv_heads} KV heads split over cp={cp}: Ulysses all-to-all only"
+    u = cp // ring
+    return ring, (f"the {num_q_heads} query / {num_kv_heads} KV heads do not split over cp={cp}; Ulysses groups of "
+                  f"{u} (the largest that splits them) x a ring of {ring}" + (" (pure ring)" if u == 1 else " (hybrid)"))

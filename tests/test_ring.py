@@ -98,3 +98,124 @@ def test_ring_must_divide_cp():
     from ds_ulysses_ext.topology import check_degrees
     with pytest.raises(UnsupportedError, match=r"ring=3 does not divide cp=4.*\[1, 2, 4\].*parallelism.ring"):
         check_degrees(4, 4, 1, 3)
+
+
+# --- the model path: enable_context_parallel + CPCausalLM + shard_batch against the unsplit HF model -------
+
+def _model_batch():
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 96, (2, 13), generator=g)
+    labels = ids.clone()
+    labels[:, :5] = -100
+    labels[1, 9] = -100
+    return ids, labels
+
+
+def _model_reference(family, overrides):
+    from tiny_models import tiny_model
+    model = tiny_model(family, **overrides)
+    ids, labels = _model_batch()
+    logits = model(input_ids=ids).logits
+    loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _model_check(rank, world, family, ring, overrides):
+    import torch.distributed as dist
+    from ds_ulysses_ext import CPCausalLM, enable_context_parallel, shard_batch
+    from tiny_models import tiny_model
+    ring_mod.QUERY_BLOCK = 5
+    ref_loss, ref_grads = _model_reference(family, overrides)
+    topo = init_topology(world, ring_size=ring)
+    model = enable_context_parallel(tiny_model(family, **overrides), topo, backend="sdpa")
+    lm = CPCausalLM(model, loss_chunk_size=3)
+    ids, labels = _model_batch()
+    local = shard_batch({"input_ids": ids, "labels": labels}, topo)
+    loss_sum, count = lm(**local)
+    global_count = count.clone()
+    dist.all_reduce(global_count, group=topo.cp_group)
+    share = loss_sum / global_count
+    share.backward()
+    total = share.detach().clone()
+    dist.all_reduce(total, group=topo.cp_group)
+    assert _rel(total, ref_loss) < RTOL, (total, ref_loss)
+    for name, p in model.named_parameters():
+        grad = p.grad.clone()
+        dist.all_reduce(grad, group=topo.cp_group)
+        assert _rel(grad, ref_grads[name]) < RTOL, (name, _rel(grad, ref_grads[name]))
+
+
+@pytest.mark.parametrize("family,world,ring", [("llama", 2, 2), ("llama", 4, 4), ("llama", 4, 2),
+                                               ("qwen3", 2, 2), ("qwen3", 4, 2)])  # (4, 2): hybrid 2 x 2
+def test_ring_model_matches_unsplit(family, world, ring):
+    run_ranks(_model_check, world, family, ring, {})
+
+
+def _two_heads(rank, world):
+    from ds_ulysses_ext import UnsupportedError, enable_context_parallel
+    from ds_ulysses_ext.zigzag import auto_ring_size
+    from tiny_models import tiny_model
+    with pytest.raises(UnsupportedError, match="cp=4 does not divide the 2 query heads"):
+        enable_context_parallel(tiny_model("llama", num_attention_heads=2, num_key_value_heads=1), init_topology(4))
+    assert auto_ring_size(2, 1, 4)[0] == 2
+
+
+def test_heads_cp_cannot_split_train_with_auto_ring():
+    # 2 query heads, 1 KV head at cp=4: Ulysses alone refuses; the auto ring (2: u=2 x ring 2) is exact
+    run_ranks(_two_heads, 4)
+    run_ranks(_model_check, 4, "llama", 2, dict(num_attention_heads=2, num_key_value_heads=1, head_dim=16))
+
+
+def test_auto_ring_size_by_hand():
+    from ds_ulysses_ext.zigzag import auto_ring_size, valid_ring_sizes
+    assert auto_ring_size(8, 2, 4)[0] == 1          # Ulysses splits 8 / 2 heads over 4
+    assert auto_ring_size(2, 1, 4)[0] == 2          # u = 2 splits them
+    assert auto_ring_size(3, 3, 4)[0] == 4          # only u = 1: pure ring
+    assert auto_ring_size(4, 4, 8)[0] == 2
+    assert valid_ring_sizes(2, 1, 4) == [2, 4]
+
+
+def test_zigzag_shard_batch_by_hand():
+    from ds_ulysses_ext import Topology, shard_batch
+    # 6 tokens at cp=2, ring=2: padded to 8 (a multiple of 2 * cp), chunks of 2: rank 0 holds [0, 3], rank 1 [1, 2]
+    ids = torch.tensor([[10, 11, 12, 13, 14, 15]])
+    labels = torch.tensor([[-100, 21, 22, -100, 24, 25]])
+    shards = [shard_batch({"input_ids": ids, "labels": labels}, Topology(2, r, 2, 1, ring_size=2), pad_token_id=0)
+              for r in (0, 1)]
+    assert shards[0]["position_ids"].tolist() == [[0, 1, 6, 7]]
+    assert shards[1]["position_ids"].tolist() == [[2, 3, 4, 5]]
+    assert shards[0]["input_ids"].tolist() == [[10, 11, 0, 0]]
+    assert shards[1]["input_ids"].tolist() == [[12, 13, 14, 15]]
+    # shifted on the full sequence: position i predicts label i+1; the last real token and the pads predict nothing
+    assert shards[0]["labels"].tolist() == [[21, 22, -100, -100]]
+    assert shards[1]["labels"].tolist() == [[-100, 24, 25, -100]]
+
+
+def test_ring_refusals():
+    from ds_ulysses_ext import Topology, UnsupportedError, enable_context_parallel, shard_batch
+    from tiny_models import tiny_model
+    topo = Topology(4, 0, 4, 1, ring_size=2)
+    packed = {"input_ids": torch.ones(1, 8, dtype=torch.long), "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])}
+    with pytest.raises(UnsupportedError, match="packed documents.*parallelism.ring=1"):
+        shard_batch(packed, topo)
+    windowed = tiny_model("qwen3", use_sliding_window=True, sliding_window=4, max_window_layers=0)
+    with pytest.raises(UnsupportedError, match="sliding-window attention.*parallelism.ring=1"):
+        enable_context_parallel(windowed, topo)
+    with pytest.raises(UnsupportedError, match="backend 'fa4' is not available inside ring attention"):
+        ring_attention(*(torch.zeros(1, 4, 2, 8) for _ in range(3)), ring_group=None, backend="fa4")
+
+
+def _wrong_layout(rank, world):
+    from ds_ulysses_ext import CPCausalLM, Topology, UnsupportedError, enable_context_parallel, shard_batch
+    from tiny_models import tiny_model
+    topo = init_topology(2, ring_size=2)
+    lm = CPCausalLM(enable_context_parallel(tiny_model("llama"), topo, backend="sdpa"))
+    ids, labels = _model_batch()
+    contiguous = shard_batch({"input_ids": ids, "labels": labels}, Topology(2, rank, 2, 1))  # Ulysses' layout
+    with pytest.raises(UnsupportedError, match=r"zigzag positions \(ring=2\)"):
+        lm(**contiguous)
+
+
+def test_ring_model_refuses_a_contiguous_shard():
+    run_ranks(_wrong_layout, 2)
