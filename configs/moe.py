@@ -9,7 +9,7 @@ MOE_RECOMPUTE = ("none", "act", "experts")
 
 @dataclass
 class MoEConfig:
-    # auto: DeepEP's normal mode on CUDA when deep_ep imports and ep is 2, 4 or 8 (logged), else torch all-to-all
+    # auto: the torch all-to-all (DeepEP runs only when asked for by name until its path is verified: docs/moe.md)
     dispatcher: str = "auto"
     # aux: per-sequence balance loss (layout-independent); bias: aux-loss-free expert-bias update; none
     balance: str = "aux"

@@ -68,7 +68,10 @@ def test_expert_recompute_and_offload_leave_the_trajectory_unchanged(tmp_path):
                                ("experts_g2_full", 2, ["moe.recompute=experts", "moe.recompute_group_size=2",
                                                        "memory=full_recompute"]),
                                ("w1_experts_full", 1, ["moe.recompute=experts", "memory=full_recompute",
-                                                       "parallelism.ep=1", "parallelism.cp=1"])]:
+                                                       "parallelism.ep=1", "parallelism.cp=1"]),
+                               # offload + tiled MLP: the tiling must leave MoE blocks whole
+                               ("w2_long_context", 2, ["moe.recompute=experts", "memory=long_context",
+                                                       "memory.mlp_tile_tokens=4"])]:
         assert_same(train(tmp_path, name, world, common + extra), ref, name)
 
 

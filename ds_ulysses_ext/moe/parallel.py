@@ -130,18 +130,22 @@ def enable_expert_parallel(model, topology: Topology, settings: MoESettings = Mo
 
 
 def _dispatcher(settings: MoESettings, num_experts: int, topology: Topology):
-    want = settings.dispatcher
-    if want in ("auto", "deepep"):
-        from .deepep import deepep_unavailable_reason, DeepEPDispatcher
+    """`auto` is the all-to-all until the DeepEP path has been checked against it on several GPUs (docs/moe.md):
+    an unverified dispatcher must not be picked silently. An explicit `deepep` runs it, with a warning."""
+    if settings.dispatcher == "deepep":
+        from .deepep import DeepEPDispatcher, deepep_unavailable_reason
         reason = deepep_unavailable_reason(topology.ep_size)
-        if reason is None:
-            if topology.rank == 0:
-                log.info("MoE dispatcher: DeepEP (normal mode, ep=%d)", topology.ep_size)
-            return DeepEPDispatcher(num_experts, topology.ep_group)
-        if want == "deepep":
+        if reason is not None:
             raise UnsupportedError(f"moe.dispatcher=deepep: {reason}; use moe.dispatcher=alltoall")
         if topology.rank == 0:
-            log.info("MoE dispatcher: torch all-to-all over ep=%d (DeepEP not used: %s)", topology.ep_size, reason)
+            log.warning("MoE dispatcher: DeepEP normal mode (ep=%d). This path has not yet been checked against the "
+                        "all-to-all dispatcher on several GPUs (docs/moe.md); compare a few steps with "
+                        "moe.dispatcher=alltoall before relying on it", topology.ep_size)
+        return DeepEPDispatcher(num_experts, topology.ep_group)
+    if topology.rank == 0:
+        log.info("MoE dispatcher: torch all-to-all over ep=%d%s", topology.ep_size,
+                 " (moe.dispatcher=auto; DeepEP is used only when asked for, until it is verified)"
+                 if settings.dispatcher == "auto" else "")
     return AllToAllDispatcher(num_experts, topology.ep_group if topology.ep_size > 1 else None)
 
 
