@@ -19,6 +19,10 @@
 #          (default 56, for a 560 GiB host over 8 ranks). A full 32-layer step at 4M is about an hour on 8 H200s
 #          (attention-bound), longer than a device session; the GPU peak of 4 layers is the working set, and
 #          the 32-layer peak adds the layer inputs the cap leaves on the GPU (docs/memory.md)
+#   moe_exact  MoE on NCCL: tiny_moe fp32 (rel 1e-5) and the 4-layer Qwen3-30B-A3B shape bf16 (rel 2e-2) at the cp:ep
+#          layouts $MOE_LAYOUTS (default 2:2,2:4,4:4 at 4 GPUs; 2:2,1:2 at 2; 2:8,8:8,2:4 at 8) against world 1
+#   moe_scale  ours, the 4-layer Qwen3-30B-A3B shape (or $MOE_MODEL), ZeRO-3, bf16, cp=$MOE_CP ep=$MOE_EP (default
+#          NGPU, NGPU), S in $SEQS, moe=expert_recompute, per-phase times -> bench_train.jsonl
 #   topo   nvidia-smi's GPU list and link matrix
 # Needs .whl/ and .bench/anchor-bench as scripts/bench_gpu.sh does. Results under $OUT.
 set -u
@@ -52,6 +56,19 @@ for part in ${*:-exact scale alst}; do
       python3 scripts/bench_train.py --model llama3_1_8b_shape --nproc "$NGPU" --steps 1 --timeout 580 \
         --points "${FIT_S:-4194304}:long_context" model.attn_backend=fa4 model.arch.num_hidden_layers=4 \
         memory.offload_max_gib="${OFFLOAD_GIB:-56}" ;;
+    moe_exact)
+      case $NGPU in 2) def=2:2,1:2 ;; 8) def=2:8,8:8,2:4 ;; *) def=2:2,2:4,4:4 ;; esac
+      for spec in "tiny_moe:fp32:1e-5:512" "qwen3_30b_a3b_4l:bf16:2e-2:4096"; do
+        IFS=: read model prec tol seq <<< "$spec"
+        python3 scripts/check_layouts.py --model "$model" --precision "$prec" --rtol "$tol" --ngpu "$NGPU" \
+          --ngpu-ref 1 --seq-len "$seq" --layouts "1:1,${MOE_LAYOUTS:-$def}" --out "$OUT/moe_exact_${model}_${prec}.json" \
+          --extra moe.dispatcher=${MOE_DISPATCHER:-alltoall} moe.aux_loss_coef=0.01
+      done ;;
+    moe_scale)
+      python3 scripts/bench_train.py --model "${MOE_MODEL:-qwen3_30b_a3b_4l}" --nproc "$NGPU" --cp "${MOE_CP:-$NGPU}" \
+        --steps "${STEPS:-3}" --timeout 560 --points "$(echo "$SEQS" | sed "s/,/:full_recompute,/g"):full_recompute" \
+        parallelism.ep="${MOE_EP:-$NGPU}" moe=expert_recompute moe.dispatcher=${MOE_DISPATCHER:-alltoall} \
+        deepspeed.master_weights=bf16 ${EXTRA:-} ;;
     topo) nvidia-smi -L; nvidia-smi topo -m ;;
     *) echo "unknown part $part" ;;
   esac
