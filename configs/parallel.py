@@ -5,12 +5,20 @@ dp is not a field: it is derived, dp = world_size // cp (see validate.Plan).
 
 from dataclasses import dataclass
 
+from ds_ulysses_ext.layout import valid_cp_values
+from ds_ulysses_ext.zigzag import auto_ring_size, valid_ring_sizes
+
 MASTER_WEIGHTS = ("fp32", "bf16")
 
 
 @dataclass
 class ParallelismConfig:
     cp: int = 1  # context parallel degree: ranks that split one sequence (Ulysses all-to-all); divides world
+    # ranks of the cp group that form a ring (docs/ring.md): the cp group is a Ulysses group of cp / ring consecutive
+    # ranks times a ring across them. auto: 1 (pure Ulysses) when the heads split over cp, else the smallest ring that
+    # makes them split; N must divide cp and leave a Ulysses group that splits the heads. A string so that both
+    # `auto` and an integer override (parallelism.ring=2) parse; validate() turns it into Plan.ring.
+    ring: str = "auto"
     ep: int = 1  # expert parallel degree: ranks that split the MoE experts; divides world and the expert count
     tp: int = 1  # tensor parallel degree; only 1 is supported (TP+CP is refused at config time)
 
@@ -30,3 +38,54 @@ class DeepSpeedConfig:
     # a plain torch AdamW on bf16 parameters does (about half the optimizer's memory and time, but updates
     # smaller than a weight's bf16 spacing are lost). bf16 needs precision=bf16.
     master_weights: str = "fp32"
+
+
+def resolve_ring(cfg) -> tuple[int, str]:
+    """parallelism.ring (auto | N) -> (ring, why); refuses a ring that cp or the heads do not allow, and what the
+    ring cannot run yet (packing, sliding windows, sinks: ds_ulysses_ext/ring.py). Called by validate()."""
+    from configs.errors import ConfigError
+
+    def require(ok: bool, message: str) -> None:
+        if not ok:
+            raise ConfigError(message)
+
+    def fmt(values) -> str:
+        return "{" + ", ".join(str(v) for v in values) + "}"
+
+    def divisors(n: int) -> list[int]:
+        return [d for d in range(1, n + 1) if n % d == 0]
+
+    par, arch = cfg.parallelism, cfg.model.arch
+    cp, text = par.cp, str(par.ring).strip().lower()
+    require(text == "auto" or (text.isdigit() and int(text) >= 1),
+            f"parallelism.ring={par.ring} is neither auto nor a positive integer; set parallelism.ring=auto or a "
+            f"divisor of parallelism.cp={cp}: {fmt(divisors(cp))}")
+    num_q = arch.get("num_attention_heads")
+    num_kv = arch.get("num_key_value_heads", num_q)  # HF's default: one KV head per query head
+    if num_q is None:  # a pretrained preset without head counts: enable_context_parallel checks at model load
+        valid = divisors(cp)
+        ring, why = (1, "head counts unknown before the model loads: Ulysses only (parallelism.ring=N adds a ring)") \
+            if text == "auto" else (int(text), f"parallelism.ring={text}")
+    else:
+        valid = valid_ring_sizes(num_q, num_kv, cp)
+        ring, why = auto_ring_size(num_q, num_kv, cp) if text == "auto" else (int(text), f"parallelism.ring={text}")
+    require(
+        ring in valid,
+        f"parallelism.ring={ring} with parallelism.cp={cp}: the ring must divide cp and leave Ulysses groups of "
+        f"cp / ring ranks that split the heads (model.arch.num_attention_heads={num_q}, "
+        f"model.arch.num_key_value_heads={num_kv}); choose parallelism.ring in "
+        f"{fmt(valid)} or parallelism.ring=auto",
+    )
+    if ring > 1:
+        fix = "set parallelism.ring=1" + (
+            f" (Ulysses: parallelism.cp in {fmt(valid_cp_values(num_q, num_kv))} splits the heads)" if num_q else "")
+        require(not cfg.data.pack, f"data.pack=true with parallelism.ring={ring}: ring attention has no document "
+                f"mask yet; set data.pack=false or {fix}")
+        layer_types = arch.get("layer_types") or ()
+        window = any(t != "full_attention" for t in layer_types) or bool(arch.get("use_sliding_window")) or (
+            cfg.model.family == "mistral" and arch.get("sliding_window") is not None)
+        require(not window, f"model.arch selects sliding-window layers, which ring attention (parallelism.ring={ring}) "
+                f"does not have yet; {fix}")
+        require(cfg.model.family != "gpt_oss", f"model.family=gpt_oss has attention sinks, which ring attention "
+                f"(parallelism.ring={ring}) does not have yet; {fix}")
+    return ring, why

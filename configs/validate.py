@@ -6,7 +6,7 @@ model.source=pretrained a key the preset does not repeat is unknown here and is 
 The config is never mutated: derived values (dp, grad_accum) are returned in the Plan.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 from configs.data import BAD_LINE_POLICIES, DATA_FORMATS, DATA_SOURCES, OVERLONG_POLICIES, DataConfig, check_passkey
@@ -15,11 +15,12 @@ from configs.log import WANDB_MODES
 from configs.memory import RECOMPUTE_METHODS, RECOMPUTE_POLICIES, MemoryConfig
 from configs.model import ATTN_BACKENDS, MODEL_SOURCES, MOE_FAMILIES, SUPPORTED_FAMILIES, ModelConfig
 from configs.moe import check_moe
-from configs.parallel import MASTER_WEIGHTS
+from configs.parallel import MASTER_WEIGHTS, resolve_ring
 from configs.train import DEVICES, PRECISIONS, TrainConfig
 from configs.trainer import CORRUPT_CHECKPOINT_POLICIES, LR_DECAYS, NONFINITE_POLICIES, TrainerConfig
-from ds_ulysses_ext.layout import padded_length, valid_cp_values
+from ds_ulysses_ext.layout import valid_cp_values
 from ds_ulysses_ext.rope import CP_ROPE_TYPES, LENGTH_DEPENDENT_TYPES, depends_on_length, unchecked_rope_types
+from ds_ulysses_ext.zigzag import padded_seq_len
 
 ZERO_STAGES = (2, 3)  # the stages whose gradient reduction over cp is verified exact (docs/design.md)
 LATENT_ALIGN = 512  # a LatentMoE latent size must be a multiple of this
@@ -41,6 +42,8 @@ class Plan:
     seq_len: int  # global sequence length, before the cp split
     zero_stage: int
     precision: str
+    ring: int = 1  # ranks of the cp group in a ring (cp / ring consecutive ranks per Ulysses group); 1: pure Ulysses
+    ring_reason: str = field(default="", compare=False)  # why this layout: the run logs it
 
 
 def validate(cfg: TrainConfig, world_size: int) -> Plan:
@@ -54,9 +57,10 @@ def validate(cfg: TrainConfig, world_size: int) -> Plan:
     _check_memory(cfg.memory, cfg.model.arch)
     _check_deepspeed(cfg)
     dp = _check_parallelism(cfg, world_size)
+    ring, ring_reason = resolve_ring(cfg)
     check_moe(cfg, world_size)
-    _check_positions(cfg)  # after parallelism.cp is known to be valid: the padding depends on it
-    _check_rope(cfg)
+    _check_positions(cfg, ring)  # after parallelism.cp/ring are known to be valid: the padding depends on them
+    _check_rope(cfg, ring)
     grad_accum = _check_batch(cfg.trainer, dp)
     return Plan(
         world_size=world_size,
@@ -69,6 +73,8 @@ def validate(cfg: TrainConfig, world_size: int) -> Plan:
         seq_len=cfg.data.seq_len,
         zero_stage=cfg.deepspeed.zero_stage,
         precision=cfg.precision,
+        ring=ring,
+        ring_reason=ring_reason,
     )
 
 
@@ -181,10 +187,10 @@ def _check_logging(cfg: TrainConfig) -> None:
              "(or 0 for no profiling)")
 
 
-def _check_positions(cfg: TrainConfig) -> None:
+def _check_positions(cfg: TrainConfig, ring: int) -> None:
     # positions past what the model was built for silently extrapolate RoPE; known only when arch says it
     limit = cfg.model.arch.get("max_position_embeddings")
-    padded = padded_length(cfg.data.seq_len, cfg.parallelism.cp)
+    padded = padded_seq_len(cfg.data.seq_len, cfg.parallelism.cp, ring)
     _require(
         not limit or padded <= limit,
         f"data.seq_len={cfg.data.seq_len} (padded to {padded} for cp) exceeds model.arch.max_position_embeddings="
@@ -197,7 +203,7 @@ def _rope_key(arch: Mapping[str, Any]) -> str:
     return "rope_scaling" if arch.get("rope_scaling") else "rope_parameters"
 
 
-def _check_rope(cfg: TrainConfig) -> None:
+def _check_rope(cfg: TrainConfig, ring: int) -> None:
     """RoPE types under cp (ds_ulysses_ext/rope.py); known only when model.arch says the rope type."""
     cp, arch = cfg.parallelism.cp, cfg.model.arch
     if cp == 1:
@@ -210,11 +216,14 @@ def _check_rope(cfg: TrainConfig) -> None:
         f"model.arch.{key}.rope_type={unknown[0] if unknown else ''} is not one of the RoPE types checked under cp "
         f"{_fmt(CP_ROPE_TYPES)}; set model.arch.{key}.rope_type to one of them or run with parallelism.cp=1",
     )
-    seq_len, padded = cfg.data.seq_len, padded_length(cfg.data.seq_len, cp)
-    lower = seq_len // cp * cp
+    seq_len, padded = cfg.data.seq_len, padded_seq_len(cfg.data.seq_len, cp, ring)
+    multiple = padded_seq_len(1, cp, ring)
+    lower = seq_len // multiple * multiple
     _require(
         not depends_on_length(params) or padded == seq_len,
-        f"data.seq_len={seq_len} is not a multiple of parallelism.cp={cp}, and model.arch.{key} selects a RoPE "
+        f"data.seq_len={seq_len} is not a multiple of "
+        + (f"parallelism.cp={cp}" if ring == 1 else f"{multiple} (2 x parallelism.cp={cp} with parallelism.ring={ring})")
+        + f", and model.arch.{key} selects a RoPE "
         f"type that reads the sequence length ({_fmt(LENGTH_DEPENDENT_TYPES)}): the {padded - seq_len} pad tokens "
         f"cp adds would change its frequencies from the parallelism.cp=1 run's; set data.seq_len="
         + " or ".join(str(n) for n in (lower, padded) if n > 0),
@@ -381,7 +390,8 @@ def _check_parallelism(cfg: TrainConfig, world_size: int) -> int:
         f"data.seq_len={cfg.data.seq_len} is shorter than parallelism.cp={par.cp}; "
         f"raise data.seq_len to at least {par.cp} or lower parallelism.cp",
     )
-    _check_heads(cfg.model.arch, par.cp, world_size)
+    if str(par.ring).strip() == "1":  # pure Ulysses asked for; any other ring is checked by resolve_ring
+        _check_heads(cfg.model.arch, par.cp, world_size)
     _check_experts(cfg.model, par.ep, world_size)
     return world_size // par.cp
 
@@ -400,7 +410,7 @@ def _check_heads(arch: Mapping[str, Any], cp: int, world_size: int) -> None:
         f"parallelism.cp={cp} cannot split the heads of model.arch.num_attention_heads={num_q}, "
         f"model.arch.num_key_value_heads={num_kv}: Ulysses needs num_attention_heads % cp == 0 and "
         f"num_key_value_heads % cp == 0 or cp % num_key_value_heads == 0; "
-        f"choose parallelism.cp in {_fmt(valid)} (world size {world_size})"
+        f"choose parallelism.cp in {_fmt(valid)} (world size {world_size}), or add a ring: parallelism.ring=auto"
     )
 
 

@@ -42,7 +42,9 @@ log = logging.getLogger(__name__)
 
 def train(cfg: TrainConfig, plan: Plan, rt: Runtime) -> dict:
     out_dir = Path(cfg.run.out_dir)
-    topo = init_topology(plan.cp, plan.ep)
+    topo = init_topology(plan.cp, plan.ep, plan.ring)
+    if rt.is_main and plan.cp > 1:
+        log.info("cp layout: ring=%d (Ulysses groups of %d): %s", plan.ring, plan.cp // plan.ring, plan.ring_reason)
     placement = cp_placement_warning(cp_group_node_spans(plan.world_size, plan.cp), plan.cp)
     if placement and rt.is_main:
         log.warning(placement)

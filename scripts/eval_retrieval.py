@@ -137,7 +137,7 @@ def run(cfg: RetrievalEvalConfig) -> dict:
     from engine.build import build
     from engine.data import pad_id_of
     from engine.retrieval import score_retrieval, write_retrieval
-    topo = init_topology(plan.cp, plan.ep)
+    topo = init_topology(plan.cp, plan.ep, plan.ring)
     engine, _, _ = build(train_cfg, plan, topo, rt.device)
     result = score_retrieval(engine, task, cfg.run.seed, lengths, depths, cfg.samples_per_cell, topo, plan.dp,
                              plan.micro_batch_size, pad_id_of(task.tok), rt.device)

@@ -200,14 +200,14 @@ REFUSALS = [
     ),
     (
         "query_heads",
-        ["model.arch.num_attention_heads=12", "model.arch.num_key_value_heads=4", "parallelism.cp=8"],
+        ["model.arch.num_attention_heads=12", "model.arch.num_key_value_heads=4", "parallelism.cp=8", "parallelism.ring=1"],
         8,
         r"parallelism\.cp=8 cannot split the heads of model\.arch\.num_attention_heads=12, "
         r"model\.arch\.num_key_value_heads=4.*choose parallelism\.cp in \{1, 2, 4\}",
     ),
     (
         "kv_heads",
-        ["model.arch.num_attention_heads=24", "model.arch.num_key_value_heads=6", "parallelism.cp=4"],
+        ["model.arch.num_attention_heads=24", "model.arch.num_key_value_heads=6", "parallelism.cp=4", "parallelism.ring=1"],
         8,
         r"parallelism\.cp=4 cannot split .*num_key_value_heads=6.*choose parallelism\.cp in \{1, 2\}",
     ),
