@@ -67,8 +67,9 @@ def _chunk_nll_sum_and_logit_grad(h_CH, weight_VH, y_C, need_grad):
     """One chunk: (fp32 sum of token NLLs, d(sum)/d logits in the weight dtype, or None).
 
     lm_head runs in the weight dtype, then an fp32 log-softmax: the same rounding as HF's cross_entropy
-    on .float() logits. Each pass over a [C, V] fp32 block costs about 1 ms at C=4096 and a 128k vocab
-    on an H200, so the chunk makes as few as it can: one fused log-softmax kernel (not logsumexp's
+    on .float() logits. Each pass over a [C, V] fp32 block reads and writes 4*C*V bytes, the largest
+    memory traffic of the step's head (docs/benchmarks.md, section H), so the chunk makes as few passes
+    as it can: one fused log-softmax kernel (not logsumexp's
     amax/sub/exp/sum/log) and, for the gradient, one in-place exp and one cast. Being a function, its
     fp32 block is freed on return, before the caller's matmuls allocate.
     """

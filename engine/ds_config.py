@@ -10,7 +10,7 @@ from configs import Plan, TrainConfig
 
 def effective_zero_stage(cfg: TrainConfig, plan: Plan) -> int:
     """ZeRO-3 on a single rank partitions over one rank, which saves nothing over ZeRO-2 while its module
-    hooks cost a fixed ~100 ms per step (measured on CPU with a 16-layer model: 162-190 ms vs 60 ms), so a
+    hooks cost a fixed time per step (on CPU, with a 16-layer model, more than the rest of the step), so a
     world-1 run uses ZeRO-2 unless parameters are offloaded (which only ZeRO-3 does)."""
     ds = cfg.deepspeed
     if ds.zero_stage == 3 and plan.world_size == 1 and not ds.offload_param:

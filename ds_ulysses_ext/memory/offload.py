@@ -121,8 +121,8 @@ class OffloadActivations(MemoryPolicy):
 
         A packed tensor's block is only reusable once its copy has run (record_stream). If compute
         outruns the host link, the blocks of every "offloaded" tensor pile up as reserved memory.
-        Measured on an H200, offloading all 36 GiB of a step's activations (no recompute) peaked at
-        62 GiB reserved without this bound, 38 GiB with it, and 33 GiB with no offload at all. So once
+        On an H200, offloading every activation of a step without this bound reserved more memory than no
+        offload at all (docs/memory.md has the measurement with the bound). So once
         more than max_inflight_bytes are queued, the host waits for the oldest copies: offload then
         runs at the speed of the link, as it must.
         """
