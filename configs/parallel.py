@@ -42,7 +42,7 @@ class DeepSpeedConfig:
 
 def resolve_ring(cfg) -> tuple[int, str]:
     """parallelism.ring (auto | N) -> (ring, why); refuses a ring that cp or the heads do not allow, and what the
-    ring cannot run yet (packing, sliding windows, sinks: ds_ulysses_ext/ring.py). Called by validate()."""
+    ring cannot run yet (attention sinks: ds_ulysses_ext/ring.py). Called by validate()."""
     from configs.errors import ConfigError
 
     def require(ok: bool, message: str) -> None:
@@ -79,13 +79,6 @@ def resolve_ring(cfg) -> tuple[int, str]:
     if ring > 1:
         fix = "set parallelism.ring=1" + (
             f" (Ulysses: parallelism.cp in {fmt(valid_cp_values(num_q, num_kv))} splits the heads)" if num_q else "")
-        require(not cfg.data.pack, f"data.pack=true with parallelism.ring={ring}: ring attention has no document "
-                f"mask yet; set data.pack=false or {fix}")
-        layer_types = arch.get("layer_types") or ()
-        window = any(t != "full_attention" for t in layer_types) or bool(arch.get("use_sliding_window")) or (
-            cfg.model.family == "mistral" and arch.get("sliding_window") is not None)
-        require(not window, f"model.arch selects sliding-window layers, which ring attention (parallelism.ring={ring}) "
-                f"does not have yet; {fix}")
         require(cfg.model.family != "gpt_oss", f"model.family=gpt_oss has attention sinks, which ring attention "
                 f"(parallelism.ring={ring}) does not have yet; {fix}")
     return ring, why

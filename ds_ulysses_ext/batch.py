@@ -18,8 +18,9 @@ document, and any step that is not +1 starts a new one (the rule HF's own masks 
 - `cp_cu_seqlens` [N+1] int32, the documents' boundaries over the whole padded batch (masks.py), is added
   to the shard. It is the same on every CP rank: after the all-to-all each rank attends over the whole
   sequence, so it needs the global boundaries, not its chunk's. Pads continue the last document.
-Every key returned except `labels` goes to the model's forward as is. Packed rows under a ring are refused:
-the ring's block kernel has no document mask yet.
+Every key returned except `labels` goes to the model's forward as is. With a ring the boundaries are the same
+global ones (the ring's kernel masks by global position), and each rank's position_ids are its zigzag positions
+inside their documents.
 """
 from __future__ import annotations
 
@@ -95,10 +96,6 @@ def shard_batch(batch: dict, topology: Topology, pad_token_id: int = 0) -> dict:
     if position_ids is not None:
         position_ids = position_ids.expand(B, S)
         starts = document_starts(position_ids)
-        if topology.ring_size > 1 and bool(starts[:, 1:].any()):
-            raise UnsupportedError(f"packed documents (position_ids restarting at 0) are not supported with ring "
-                                   f"attention (ring={topology.ring_size}): its block kernel has no document mask. "
-                                   "Set parallelism.ring=1 (Ulysses) or data.pack=false")
         # the last token of a document predicts nothing: the next token opens another document
         targets = targets.masked_fill(torch.cat([starts[:, 1:], torch.zeros_like(starts[:, :1])], 1), IGNORE_INDEX)
     Sp = padded_seq_len(S, topology.cp_size, topology.ring_size)

@@ -14,8 +14,8 @@
 - refuses attention masks and kwargs the CP attention would ignore (a mask that is not plain causal, a
   left-padded 2D mask, HF's flash varlen kwargs, anything unknown);
 - with topology.ring_size > 1 runs ring / hybrid attention (ring.py) on the zigzag layout (zigzag.py), whose
-  positions the row check expects, and refuses packed documents, sliding windows and sinks, which the ring's
-  block kernel does not have yet (at enable time from the config, and again at the attention call).
+  positions the row check expects (packed rows too), and refuses attention sinks, which the ring's block kernel
+  does not have yet (at enable time from the config, and again at the attention call).
 
 HF attention layout: query [B, Hq, s, D], key/value [B, Hkv, s, D] (RoPE already applied on the local
 chunk with global positions); the function returns ([B, s, Hq, D], None).
@@ -88,13 +88,13 @@ def _cp_attention(module, query, key, value, attention_mask, scaling=None, dropo
     # attend to the trailing pads, and HF builds no mask for a custom attention name.
     topo = state.topology
     if topo.ring_size > 1:
-        _refuse_ring_features(topo, documents=cu_seqlens is not None, window=sliding_window is not None,
-                              sinks=s_aux is not None)
+        _refuse_ring_features(topo, sinks=s_aux is not None)
 
     def core():
         if topo.ring_size > 1:
             return ring_attention(q_BsHD, k_BsHD, v_BsHD, ring_group=topo.ring_group, ulysses_group=topo.ulysses_group,
-                                  causal=True, softmax_scale=scaling, backend=state.backend)
+                                  causal=True, softmax_scale=scaling, backend=state.backend, cu_seqlens=cu_seqlens,
+                                  window=sliding_window)
         return ulysses_attention(q_BsHD, k_BsHD, v_BsHD, group=topo.cp_group, causal=True,
                                  softmax_scale=scaling, backend=state.backend, cu_seqlens=cu_seqlens,
                                  max_seqlen=state.max_seqlen, window=sliding_window, sinks=s_aux)
@@ -105,24 +105,16 @@ def _cp_attention(module, query, key, value, attention_mask, scaling=None, dropo
     return out, None
 
 
-def _refuse_ring_features(topology: Topology, *, documents: bool, window: bool, sinks: bool) -> None:
-    used = [name for name, on in (("packed documents", documents), ("sliding-window attention", window),
-                                  ("attention sinks", sinks)) if on]
-    if used:
+def _refuse_ring_features(topology: Topology, *, sinks: bool) -> None:
+    if sinks:
         raise UnsupportedError(
-            f"{' and '.join(used)} are not supported with ring attention (parallelism.ring={topology.ring_size}): "
-            "the ring's block kernel has no document, window or sink mask yet. Set parallelism.ring=1 (Ulysses; "
-            "the heads must split over cp) or, for packing, data.pack=false")
+            f"attention sinks are not supported with ring attention (parallelism.ring={topology.ring_size}): the "
+            "ring's block kernel has no sink column yet. Set parallelism.ring=1 (Ulysses; the heads must split over cp)")
 
 
 def _ring_features_of(config) -> dict:
-    """What a model config switches on that the ring cannot run (HF's own spellings of each)."""
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None:
-        window = any(t != "full_attention" for t in layer_types)
-    else:
-        window = getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
-    return dict(documents=False, window=bool(window), sinks=getattr(config, "model_type", None) == "gpt_oss")
+    """What a model config switches on that the ring cannot run: GPT-OSS's learned sinks."""
+    return dict(sinks=getattr(config, "model_type", None) == "gpt_oss")
 
 
 def _is_plain_causal(mask: torch.Tensor, s: int) -> bool:
@@ -178,7 +170,13 @@ def _local_coords(position_ids: torch.Tensor, local_len: int, rows: int, cu_seql
             expected = torch.full_like(pos, -1)
         else:
             full = positions_in_documents(cu.clamp(0, total), rows, local_len * cp)
-            expected = full[:, r * local_len:(r + 1) * local_len]
+            ring = state.topology.ring_size
+            if ring == 1:
+                expected = full[:, r * local_len:(r + 1) * local_len]
+            elif local_len % 2 == 0:  # this rank's zigzag positions, as shard_batch laid them out
+                expected = full[:, rank_positions(local_len * cp, cp, ring, r, dev)]
+            else:
+                expected = torch.full_like(pos, -1)
         bounds = torch.stack([cu.new_tensor(cu.numel()), cu[-1], (cu[1:] - cu[:-1]).max()])
     bad = (pos != expected).any(dim=1)
     bad_row = torch.where(bad.any(), bad.int().argmax(), torch.tensor(-1, device=dev))

@@ -24,13 +24,17 @@ the fp32 dK|dV accumulator of each share along with it; after R hops the accumul
 The dK|dV send of step t overlaps the kernel of step t + 1. Per hop: K|V in the input dtype plus dK|dV in fp32.
 
 The per-block kernel is exact torch (fp32 logits, one [B h bq Lk] block of bq = QUERY_BLOCK rows at a time), on
-CPU and GPU; flash kernels are not used inside the ring yet. Packed documents, sliding windows and sinks are
-refused under a ring (integrate.py, configs/validate.py).
+CPU and GPU; flash kernels are not used inside the ring yet. Its mask is built from GLOBAL positions (BlockMask):
+causal, packed documents (the global cu_seqlens shard_batch returns, as for Ulysses) and HF's sliding window, so
+packing and windows are exact under the ring too (a block a window or a document boundary hides entirely is still
+computed, masked). A row may see no key of some block: its partial lse is -inf and it merges as an empty share.
+Attention sinks are refused under a ring (integrate.py, configs/parallel.py).
 """
 from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -40,6 +44,7 @@ from .attention import _pack_kv
 from .comm import group_size, head_to_seq, seq_to_head
 from .errors import UnsupportedError
 from .layout import kv_replication
+from .masks import document_ids
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +52,38 @@ QUERY_BLOCK = 2048  # query rows per kernel block: bounds the fp32 logits to QUE
 
 
 # --- the per-block kernel: [B h Lq D] x [B hkv Lk D] -> out [B h Lq D] fp32, lse [B h Lq] fp32 ------------
+
+
+@dataclass
+class BlockMask:
+    """Which keys a block's queries see, from GLOBAL positions (zigzag order is not sequence order).
+
+    q_pos [Lq] / k_pos [Lk]: the global positions of the block's query / key rows (the ring's own mask, before a
+    step picks its share, holds this rank's share as q_pos and arange(Sp) as k_pos); doc [B, Sp]: the document of
+    every global position (packed rows; None: one document per row); window: HF's sliding window (k visible when
+    q - k < window), or None.
+    """
+    causal: bool
+    q_pos: torch.Tensor
+    k_pos: torch.Tensor
+    doc: Optional[torch.Tensor] = None
+    window: Optional[int] = None
+
+    def visible(self, qs: int, qe: int) -> Optional[torch.Tensor]:
+        """[B|1, 1, bq, Lk] bool for query rows qs..qe, or None when every key is visible."""
+        q, k = self.q_pos[qs:qe, None], self.k_pos[None, :]
+        mask = None
+        if self.causal:
+            mask = k <= q
+        if self.window is not None:
+            near = q - k < self.window
+            mask = near if mask is None else mask & near
+        if mask is not None:
+            mask = mask[None, None]
+        if self.doc is not None:
+            same = self.doc[:, self.q_pos[qs:qe]][:, None, :, None] == self.doc[:, self.k_pos][:, None, None, :]
+            mask = same if mask is None else mask & same
+        return mask
 
 
 def _expand(kv_BhLD: torch.Tensor, h: int) -> torch.Tensor:
@@ -61,31 +98,33 @@ def _fold(grad_BhLD: torch.Tensor, hkv: int) -> torch.Tensor:
     return grad_BhLD if h == hkv else grad_BhLD.reshape(B, hkv, h // hkv, L, D).sum(2)
 
 
-def _logits(q, k, scale, causal, qs):
-    # [B h bq D] x [B h Lk D] -> [B h bq Lk] fp32; causal: query row qs + i sees keys 0 .. qs + i (same block start)
+def _logits(q, k, scale, mask: BlockMask, qs):
+    # [B h bq D] x [B h Lk D] -> [B h bq Lk] fp32, -inf where the key is not visible
     logits = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    if causal:
-        bq, Lk = logits.shape[-2:]
-        rows = torch.arange(qs, qs + bq, device=q.device)[:, None]
-        logits = logits.masked_fill(torch.arange(Lk, device=q.device)[None, :] > rows, float("-inf"))
-    return logits
+    visible = mask.visible(qs, qs + q.shape[2])
+    return logits if visible is None else logits.masked_fill(~visible, float("-inf"))
 
 
-def block_forward(q, k, v, scale: float, causal: bool):
-    """Attention of q against one K|V block, with its log-sum-exp (causal: q and k cover the same positions)."""
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    # a row that sees no key of this block has lse -inf: exponentiate against 0 instead, so its weights are 0, not nan
+    return lse.masked_fill(torch.isinf(lse), 0.0)
+
+
+def block_forward(q, k, v, scale: float, mask: BlockMask):
+    """Attention of q against one K|V block, with its log-sum-exp (-inf for a row that sees none of its keys)."""
     h = q.shape[1]
     k, v = _expand(k, h), _expand(v, h)
     outs, lses = [], []
     for qs in range(0, q.shape[2], QUERY_BLOCK):
         qb = q[:, :, qs:qs + QUERY_BLOCK]
-        logits = _logits(qb, k, scale, causal, qs)
+        logits = _logits(qb, k, scale, mask, qs)
         lse = torch.logsumexp(logits, dim=-1)
-        outs.append(torch.matmul(torch.exp(logits - lse[..., None]), v.float()))
+        outs.append(torch.matmul(torch.exp(logits - _finite(lse)[..., None]), v.float()))
         lses.append(lse)
     return torch.cat(outs, 2), torch.cat(lses, 2)
 
 
-def block_backward(q, k, v, dout, lse, delta, scale: float, causal: bool):
+def block_backward(q, k, v, dout, lse, delta, scale: float, mask: BlockMask):
     """dq, dk, dv (fp32) of one block, from the MERGED log-sum-exp and delta = rowsum(dout * out) of the whole row."""
     h, hkv = q.shape[1], k.shape[1]
     ke, ve = _expand(k, h).float(), _expand(v, h).float()
@@ -94,7 +133,8 @@ def block_backward(q, k, v, dout, lse, delta, scale: float, causal: bool):
     dv = torch.zeros_like(dk)
     for qs in range(0, q.shape[2], QUERY_BLOCK):
         qb, dob = q[:, :, qs:qs + QUERY_BLOCK].float(), dout[:, :, qs:qs + QUERY_BLOCK].float()
-        p = torch.exp(_logits(qb, ke, scale, causal, qs) - lse[:, :, qs:qs + QUERY_BLOCK, None])
+        # the merged lse is finite (every row sees itself), so masked keys get exactly 0
+        p = torch.exp(_logits(qb, ke, scale, mask, qs) - lse[:, :, qs:qs + QUERY_BLOCK, None])
         dv += torch.matmul(p.transpose(-1, -2), dob)
         ds = p * (torch.matmul(dob, ve.transpose(-1, -2)) - delta[:, :, qs:qs + QUERY_BLOCK, None])
         dq[:, :, qs:qs + QUERY_BLOCK] = torch.matmul(ds, ke) * scale
@@ -131,38 +171,55 @@ class _Ring:
 
 
 def _step_slices(t: int, src: int, r: int, L: int, causal: bool):
-    """(query rows, key rows, causal) of ring step t, whose K|V share belongs to ring rank src (zigzag.py)."""
+    """(query rows, key rows) of ring step t, whose K|V share belongs to ring rank src (zigzag.py).
+
+    Causal attention skips the half of the block that no query sees; the mask from global positions still applies
+    to what is left (it is all-visible there unless documents or a window cut it)."""
     c = L // 2
-    if t == 0:
-        return slice(0, L), slice(0, L), causal
-    if not causal:
-        return slice(0, L), slice(0, L), False
+    if t == 0 or not causal:
+        return slice(0, L), slice(0, L)
     if src < r:   # chunks src < r < 2R-1-r: its first chunk is seen whole by both of ours, its second by neither
-        return slice(0, L), slice(0, c), False
+        return slice(0, L), slice(0, c)
     # src > r: neither of its chunks is seen by our first chunk; both are seen whole by our second
-    return slice(c, L), slice(0, L), False
+    return slice(c, L), slice(0, L)
 
 
-def _ring_forward(q, k, v, scale, causal, ring: _Ring):
+def _block_mask(mask: BlockMask, ring: "_Ring", src: int, rows: slice, keys: slice) -> BlockMask:
+    # the share of ring rank src holds the positions of its zigzag chunks, in order
+    return BlockMask(mask.causal, mask.q_pos[rows], share_positions(mask.k_pos, ring.size, src)[keys],
+                     mask.doc, mask.window)
+
+
+def share_positions(all_pos: torch.Tensor, ring: int, src: int) -> torch.Tensor:
+    """[L] global positions of ring rank src's share (its chunks src and 2*ring-1-src), from arange(Sp)."""
+    chunks = all_pos.reshape(2 * ring, -1)
+    return torch.cat([chunks[src], chunks[2 * ring - 1 - src]])
+
+
+def _ring_forward(q, k, v, scale, mask: BlockMask, ring: _Ring):
     B, h, L, D = q.shape
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full((B, h, L), float("-inf"), dtype=torch.float32, device=q.device)
     kv = torch.cat([k, v], dim=-1).contiguous()  # [B hkv L 2D]: one message per hop
     for t in range(ring.size):
         pending = ring.start(kv) if t + 1 < ring.size else None
-        rows, keys, blk_causal = _step_slices(t, (ring.rank - t) % ring.size, ring.rank, L, causal)
-        o_b, l_b = block_forward(q[:, :, rows], kv[:, :, keys, :D], kv[:, :, keys, D:], scale, blk_causal)
-        # fp32 online softmax: rescale both partial results to the merged log-sum-exp
+        src = (ring.rank - t) % ring.size
+        rows, keys = _step_slices(t, src, ring.rank, L, mask.causal)
+        o_b, l_b = block_forward(q[:, :, rows], kv[:, :, keys, :D], kv[:, :, keys, D:], scale,
+                                 _block_mask(mask, ring, src, rows, keys))
+        # fp32 online softmax: rescale both partial results to the merged log-sum-exp (rows that have seen no key
+        # yet stay at out 0, lse -inf)
         merged = torch.logaddexp(lse[:, :, rows], l_b)
-        out[:, :, rows] = (out[:, :, rows] * torch.exp(lse[:, :, rows] - merged)[..., None]
-                           + o_b * torch.exp(l_b - merged)[..., None])
+        safe = _finite(merged)
+        out[:, :, rows] = (out[:, :, rows] * torch.exp(lse[:, :, rows] - safe)[..., None]
+                           + o_b * torch.exp(l_b - safe)[..., None])
         lse[:, :, rows] = merged
         if pending is not None:
             kv = ring.wait(pending)
     return out, lse
 
 
-def _ring_backward(q, k, v, out, lse, dout, scale, causal, ring: _Ring):
+def _ring_backward(q, k, v, out, lse, dout, scale, mask: BlockMask, ring: _Ring):
     B, h, L, D = q.shape
     delta = (dout.float() * out.float()).sum(-1)  # [B h L]: softmax backward's row term, of the merged output
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -171,9 +228,11 @@ def _ring_backward(q, k, v, out, lse, dout, scale, causal, ring: _Ring):
     pending_dkv = None
     for t in range(ring.size):
         pending_kv = ring.start(kv) if t + 1 < ring.size else None
-        rows, keys, blk_causal = _step_slices(t, (ring.rank - t) % ring.size, ring.rank, L, causal)
+        src = (ring.rank - t) % ring.size
+        rows, keys = _step_slices(t, src, ring.rank, L, mask.causal)
         dq_b, dk_b, dv_b = block_backward(q[:, :, rows], kv[:, :, keys, :D], kv[:, :, keys, D:], dout[:, :, rows],
-                                          lse[:, :, rows], delta[:, :, rows], scale, blk_causal)
+                                          lse[:, :, rows], delta[:, :, rows], scale,
+                                          _block_mask(mask, ring, src, rows, keys))
         dq[:, :, rows] += dq_b
         if pending_dkv is not None:  # the accumulator of this step's share, from the previous rank
             dkv = _Ring.wait(pending_dkv)
@@ -190,18 +249,18 @@ def _ring_backward(q, k, v, out, lse, dout, scale, causal, ring: _Ring):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_BhLD, k_BhLD, v_BhLD, scale, causal, group):
+    def forward(ctx, q_BhLD, k_BhLD, v_BhLD, scale, mask, group):
         ring = _Ring(group)
-        out, lse = _ring_forward(q_BhLD, k_BhLD, v_BhLD, scale, causal, ring)
+        out, lse = _ring_forward(q_BhLD, k_BhLD, v_BhLD, scale, mask, ring)
         out = out.to(q_BhLD.dtype)
         ctx.save_for_backward(q_BhLD, k_BhLD, v_BhLD, out, lse)
-        ctx.scale, ctx.causal, ctx.ring = scale, causal, ring
+        ctx.scale, ctx.mask, ctx.ring = scale, mask, ring
         return out
 
     @staticmethod
     def backward(ctx, dout_BhLD):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(q, k, v, out, lse, dout_BhLD, ctx.scale, ctx.causal, ctx.ring)
+        dq, dk, dv = _ring_backward(q, k, v, out, lse, dout_BhLD, ctx.scale, ctx.mask, ctx.ring)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
@@ -211,7 +270,8 @@ def _log_kernel(backend: str) -> None:
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ring_group, ulysses_group=None,
-                   causal: bool = True, softmax_scale: Optional[float] = None, backend: str = "auto") -> torch.Tensor:
+                   causal: bool = True, softmax_scale: Optional[float] = None, backend: str = "auto",
+                   cu_seqlens: Optional[torch.Tensor] = None, window: Optional[int] = None) -> torch.Tensor:
     """This rank's share of exact attention over the whole sequence, laid out in zigzag order (zigzag.py).
 
     Args:
@@ -220,6 +280,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ring_gr
             (None or size 1: pure ring).
         causal: causal over global positions; softmax_scale: defaults to 1/sqrt(D).
         backend: 'auto' | 'sdpa' (the torch block kernel); flash kernels are refused inside the ring.
+        cu_seqlens: [N+1] int32 document boundaries over the GLOBAL B * Sp tokens (masks.py), or None.
+        window: sliding window (key k visible to query q when q - k < window), or None.
     Returns:
         [B, s, Hq, D].
     """
@@ -240,5 +302,13 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ring_gr
     if q.shape[1] % 2:
         raise ValueError(f"the ring share has {q.shape[1]} tokens, not two zigzag chunks; lay the batch out "
                          "with shard_batch() (zigzag.py)")
-    o_BhLD = _RingAttention.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale, causal, ring_group)
+    if window is not None and not causal:
+        raise ValueError("a sliding window is defined for causal attention only")
+    R = group_size(ring_group)
+    B, L = q.shape[:2]
+    all_pos = torch.arange(L * R, device=q.device)
+    doc = document_ids(cu_seqlens.to(q.device), B, L * R) if cu_seqlens is not None else None
+    r = dist.get_rank(ring_group) if R > 1 else 0
+    mask = BlockMask(causal, share_positions(all_pos, R, r), all_pos, doc, window)
+    o_BhLD = _RingAttention.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale, mask, ring_group)
     return head_to_seq(o_BhLD.transpose(1, 2), ulysses_group)            # [B s Hq D]

@@ -193,15 +193,10 @@ def test_zigzag_shard_batch_by_hand():
 
 
 def test_ring_refusals():
-    from ds_ulysses_ext import Topology, UnsupportedError, enable_context_parallel, shard_batch
-    from tiny_models import tiny_model
-    topo = Topology(4, 0, 4, 1, ring_size=2)
-    packed = {"input_ids": torch.ones(1, 8, dtype=torch.long), "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])}
-    with pytest.raises(UnsupportedError, match="packed documents.*parallelism.ring=1"):
-        shard_batch(packed, topo)
-    windowed = tiny_model("qwen3", use_sliding_window=True, sliding_window=4, max_window_layers=0)
-    with pytest.raises(UnsupportedError, match="sliding-window attention.*parallelism.ring=1"):
-        enable_context_parallel(windowed, topo)
+    from ds_ulysses_ext import Topology, UnsupportedError, enable_context_parallel
+    from test_sliding_sinks import tiny_gpt_oss
+    with pytest.raises(UnsupportedError, match=r"attention sinks.*parallelism\.ring=2.*Set parallelism\.ring=1"):
+        enable_context_parallel(tiny_gpt_oss(), Topology(4, 0, 4, 1, ring_size=2))
     with pytest.raises(UnsupportedError, match="backend 'fa4' is not available inside ring attention"):
         ring_attention(*(torch.zeros(1, 4, 2, 8) for _ in range(3)), ring_group=None, backend="fa4")
 
@@ -219,3 +214,84 @@ def _wrong_layout(rank, world):
 
 def test_ring_model_refuses_a_contiguous_shard():
     run_ranks(_wrong_layout, 2)
+
+
+# --- packed documents and sliding windows under the ring -----------------------------------------------------
+
+def _masked_reference(q, k, v, dout, cu, window):
+    from ds_ulysses_ext.masks import masked_attention
+    q, k, v = (t.double().requires_grad_() for t in (q, k, v))
+    out = masked_attention(q, k, v, causal=True, cu_seqlens=cu, window=window)
+    (out * dout.double()).sum().backward()
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _check_masked(rank, world, ring, window):
+    from ds_ulysses_ext.masks import cu_seqlens_of
+    ring_mod.QUERY_BLOCK = 3
+    topo = init_topology(world, ring_size=ring)
+    Sp = 16
+    q, k, v, dout = _inputs(Sp, 2, Sp)
+    # row 0: documents of 5, 8 and 3 tokens (the 8 crosses zigzag chunks); row 1: one document
+    pos = torch.stack([torch.cat([torch.arange(5), torch.arange(8), torch.arange(3)]), torch.arange(16)])
+    cu = cu_seqlens_of(pos)
+    ref = _masked_reference(q, k, v, dout, cu, window)
+    idx = rank_positions(Sp, world, ring, topo.cp_rank)
+    local = [t[:, idx].clone().requires_grad_() for t in (q, k, v)]
+    out = ring_attention(*local, ring_group=topo.ring_group, ulysses_group=topo.ulysses_group, cu_seqlens=cu,
+                         window=window)
+    (out * dout[:, idx]).sum().backward()
+    assert _rel(out, ref[0][:, idx]) < RTOL, _rel(out, ref[0][:, idx])
+    for name, mine, full in zip("qkv", local, ref[1:]):
+        assert _rel(mine.grad, full[:, idx]) < RTOL, (name, _rel(mine.grad, full[:, idx]))
+
+
+@pytest.mark.parametrize("world,ring", [(2, 2), (4, 4), (4, 2)])
+@pytest.mark.parametrize("window", [None, 3])
+def test_ring_documents_and_window_match_the_torch_path(world, ring, window):
+    # window 3: many blocks hold rows that see none of their keys (their partial lse is -inf)
+    run_ranks(_check_masked, world, ring, window)
+
+
+def _packed_model_check(rank, world, family, ring, overrides):
+    from cp_reference import cp_loss_and_grads, rel
+    from ds_ulysses_ext import enable_context_parallel
+    from test_packing import packed_batch, reference_packed_row, reference_per_document
+    from tiny_models import tiny_model
+    refs = [reference_per_document(family, **overrides), reference_packed_row(family, **overrides)]
+    topo = init_topology(world, ring_size=ring)
+    model = enable_context_parallel(tiny_model(family, **overrides), topo, backend="sdpa")
+    loss, grads = cp_loss_and_grads(model, topo, packed_batch())
+    for what, (ref_loss, ref_grads) in zip(("per document", "packed row"), refs):
+        assert rel(loss, ref_loss) < RTOL, (what, loss, ref_loss)
+        for name, g in grads.items():
+            assert rel(g, ref_grads[name]) < RTOL, (what, name, rel(g, ref_grads[name]))
+
+
+@pytest.mark.parametrize("world,ring", [(2, 2), (4, 2)])
+def test_packed_rows_under_the_ring_match_each_document_alone(world, ring):
+    run_ranks(_packed_model_check, world, "llama", ring, {})
+
+
+def test_packed_rows_with_a_window_under_the_hybrid():
+    run_ranks(_packed_model_check, 4, "qwen3", 2, {"use_sliding_window": True, "sliding_window": 3,
+                                                  "max_window_layers": 1})
+
+
+def _windowed_model_check(rank, world, family, ring):
+    from cp_reference import cp_loss_and_grads, rel
+    from ds_ulysses_ext import enable_context_parallel
+    from test_sliding_sinks import WINDOWED, _batch, _reference
+    from tiny_models import tiny_model
+    ref_loss, ref_grads = _reference(family, WINDOWED[family])
+    topo = init_topology(world, ring_size=ring)
+    model = enable_context_parallel(tiny_model(family, **WINDOWED[family]), topo, backend="sdpa")
+    loss, grads = cp_loss_and_grads(model, topo, _batch())
+    assert rel(loss, ref_loss) < RTOL, (loss, ref_loss)
+    for name, g in grads.items():
+        assert rel(g, ref_grads[name]) < RTOL, (name, rel(g, ref_grads[name]))
+
+
+@pytest.mark.parametrize("family,world,ring", [("qwen3", 4, 4), ("mistral", 4, 2)])
+def test_sliding_window_models_under_the_ring_match_unsplit(family, world, ring):
+    run_ranks(_windowed_model_check, world, family, ring)

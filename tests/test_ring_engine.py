@@ -3,7 +3,8 @@
 World 4 at parallelism.cp=4 with parallelism.ring=2 (Ulysses pairs x a ring of 2) and ring=4 (pure ring) must equal
 world 1 (loss and grad_norm at each of 3 steps, fp32, rel 1e-5; ZeRO-3). The 30-token sequences are padded to 32
 (a multiple of 2 * cp). A model whose heads cp cannot split (2 query / 1 KV head at cp=4) runs with
-parallelism.ring=auto, which must pick ring 2 and say why in the log.
+parallelism.ring=auto, which must pick ring 2 and say why in the log. Packed rows (data.pack=true) at cp=4 with a
+ring of 2 equal world 1 too.
 """
 import logging
 
@@ -60,9 +61,22 @@ def test_ring_refusals_by_config():
         _validate(["parallelism.cp=4", "parallelism.ring=1"] + TWO_HEADS, 4)  # Ulysses alone, asked for by name
     with pytest.raises(ConfigError, match=r"parallelism\.ring=many is neither auto nor a positive integer"):
         _validate(["parallelism.cp=4", "parallelism.ring=many"], 4)
-    with pytest.raises(ConfigError, match=r"data\.pack=true with parallelism\.ring=2.*set data\.pack=false or "
-                                          r"set parallelism\.ring=1"):
-        _validate(["parallelism.cp=4", "parallelism.ring=2", "data.pack=true"], 4)
-    with pytest.raises(ConfigError, match=r"sliding-window layers.*parallelism\.ring=2.*set parallelism\.ring=1"):
-        _validate(["parallelism.cp=4", "parallelism.ring=2", "+model.arch.use_sliding_window=true",
-                   "+model.arch.sliding_window=8"], 4)
+    with pytest.raises(ConfigError, match=r"model\.family=gpt_oss has attention sinks.*parallelism\.ring=2.*set "
+                                          r"parallelism\.ring=1"):
+        _validate(["parallelism.cp=4", "parallelism.ring=2", "model.family=gpt_oss"], 4)
+    # packing and sliding windows run under the ring (tests/test_ring.py checks them exact)
+    assert _validate(["parallelism.cp=4", "parallelism.ring=2", "data.pack=true", "+model.arch.use_sliding_window=true",
+                      "+model.arch.sliding_window=8"], 4).ring == 2
+
+
+def test_packed_rows_under_the_hybrid_match_single_process(tmp_path):
+    from test_engine_packing import _docs
+    from test_engine import ROOT
+    _docs(tmp_path / "docs.jsonl")
+    extra = ["data=jsonl", f"data.path={tmp_path / 'docs.jsonl'}",
+             f"data.tokenizer_path={ROOT / 'engine' / 'demo_data' / 'tokenizer'}", "data.seq_len=48", "data.pack=true",
+             "trainer.max_steps=3"]
+    ref = train(tmp_path, "w1", 1, extra + ["parallelism.cp=1"])
+    assert len({r["loss"] for r in ref}) == 3
+    got = train(tmp_path, "w4_cp4_ring2", 4, extra + ["parallelism.cp=4", "parallelism.ring=2"])
+    assert_same_trajectory(got, ref, "packed, w4 cp4 ring 2")
