@@ -5,7 +5,6 @@ dp is not a field: it is derived, dp = world_size // cp (see validate.Plan).
 
 from dataclasses import dataclass
 
-from ds_ulysses_ext.layout import valid_cp_values
 from ds_ulysses_ext.zigzag import auto_ring_size, valid_ring_sizes
 
 MASTER_WEIGHTS = ("fp32", "bf16")
@@ -41,8 +40,8 @@ class DeepSpeedConfig:
 
 
 def resolve_ring(cfg) -> tuple[int, str]:
-    """parallelism.ring (auto | N) -> (ring, why); refuses a ring that cp or the heads do not allow, and what the
-    ring cannot run yet (attention sinks: ds_ulysses_ext/ring.py). Called by validate()."""
+    """parallelism.ring (auto | N) -> (ring, why); refuses a ring that cp or the heads do not allow. Called by
+    validate(). Packing, sliding windows and sinks run under any ring (ds_ulysses_ext/ring.py)."""
     from configs.errors import ConfigError
 
     def require(ok: bool, message: str) -> None:
@@ -76,9 +75,4 @@ def resolve_ring(cfg) -> tuple[int, str]:
         f"model.arch.num_key_value_heads={num_kv}); choose parallelism.ring in "
         f"{fmt(valid)} or parallelism.ring=auto",
     )
-    if ring > 1:
-        fix = "set parallelism.ring=1" + (
-            f" (Ulysses: parallelism.cp in {fmt(valid_cp_values(num_q, num_kv))} splits the heads)" if num_q else "")
-        require(cfg.model.family != "gpt_oss", f"model.family=gpt_oss has attention sinks, which ring attention "
-                f"(parallelism.ring={ring}) does not have yet; {fix}")
     return ring, why

@@ -14,8 +14,7 @@
 - refuses attention masks and kwargs the CP attention would ignore (a mask that is not plain causal, a
   left-padded 2D mask, HF's flash varlen kwargs, anything unknown);
 - with topology.ring_size > 1 runs ring / hybrid attention (ring.py) on the zigzag layout (zigzag.py), whose
-  positions the row check expects (packed rows too), and refuses attention sinks, which the ring's block kernel
-  does not have yet (at enable time from the config, and again at the attention call).
+  positions the row check expects (packed rows too); documents, windows and sinks go to it as to Ulysses.
 
 HF attention layout: query [B, Hq, s, D], key/value [B, Hkv, s, D] (RoPE already applied on the local
 chunk with global positions); the function returns ([B, s, Hq, D], None).
@@ -87,14 +86,12 @@ def _cp_attention(module, query, key, value, attention_mask, scaling=None, dropo
     # right padding only (shard_batch enforces it), so a causal kernel needs no mask: real tokens never
     # attend to the trailing pads, and HF builds no mask for a custom attention name.
     topo = state.topology
-    if topo.ring_size > 1:
-        _refuse_ring_features(topo, sinks=s_aux is not None)
 
     def core():
         if topo.ring_size > 1:
             return ring_attention(q_BsHD, k_BsHD, v_BsHD, ring_group=topo.ring_group, ulysses_group=topo.ulysses_group,
                                   causal=True, softmax_scale=scaling, backend=state.backend, cu_seqlens=cu_seqlens,
-                                  window=sliding_window)
+                                  window=sliding_window, sinks=s_aux)
         return ulysses_attention(q_BsHD, k_BsHD, v_BsHD, group=topo.cp_group, causal=True,
                                  softmax_scale=scaling, backend=state.backend, cu_seqlens=cu_seqlens,
                                  max_seqlen=state.max_seqlen, window=sliding_window, sinks=s_aux)
@@ -103,18 +100,6 @@ def _cp_attention(module, query, key, value, attention_mask, scaling=None, dropo
     out = core() if wrapper is None else wrapper(core)
     _verify_length(state, q_BsHD.shape[1])
     return out, None
-
-
-def _refuse_ring_features(topology: Topology, *, sinks: bool) -> None:
-    if sinks:
-        raise UnsupportedError(
-            f"attention sinks are not supported with ring attention (parallelism.ring={topology.ring_size}): the "
-            "ring's block kernel has no sink column yet. Set parallelism.ring=1 (Ulysses; the heads must split over cp)")
-
-
-def _ring_features_of(config) -> dict:
-    """What a model config switches on that the ring cannot run: GPT-OSS's learned sinks."""
-    return dict(sinks=getattr(config, "model_type", None) == "gpt_oss")
 
 
 def _is_plain_causal(mask: torch.Tensor, s: int) -> bool:
@@ -285,7 +270,6 @@ def enable_context_parallel(model, topology: Topology, backend: str = "auto"):
         # the heads split over the Ulysses group only; the ring keeps every head of its share
         check_model_config(model.config, topology.ulysses_size)
         check_rope(model.config, topology.cp_size)
-        _refuse_ring_features(topology, **_ring_features_of(model.config))
     else:
         check_model_config(model.config, topology.cp_size)
     _register_attention()

@@ -28,7 +28,8 @@ CPU and GPU; flash kernels are not used inside the ring yet. Its mask is built f
 causal, packed documents (the global cu_seqlens shard_batch returns, as for Ulysses) and HF's sliding window, so
 packing and windows are exact under the ring too (a block a window or a document boundary hides entirely is still
 computed, masked). A row may see no key of some block: its partial lse is -inf and it merges as an empty share.
-Attention sinks are refused under a ring (integrate.py, configs/parallel.py).
+GPT-OSS's sinks rescale the merged output by sigmoid(lse - sink) after the ring, in autograd: the ring's
+backward takes the gradient that reaches the log-sum-exp as well.
 """
 from __future__ import annotations
 
@@ -219,9 +220,13 @@ def _ring_forward(q, k, v, scale, mask: BlockMask, ring: _Ring):
     return out, lse
 
 
-def _ring_backward(q, k, v, out, lse, dout, scale, mask: BlockMask, ring: _Ring):
+def _ring_backward(q, k, v, out, lse, dout, dlse, scale, mask: BlockMask, ring: _Ring):
     B, h, L, D = q.shape
-    delta = (dout.float() * out.float()).sum(-1)  # [B h L]: softmax backward's row term, of the merged output
+    # [B h L]: softmax backward's row term of the merged output. A gradient reaching the log-sum-exp itself (the
+    # sinks use it) adds dlse * p to each logit's gradient, which is the same as lowering that term by dlse
+    delta = (dout.float() * out.float()).sum(-1)
+    if dlse is not None:
+        delta = delta - dlse.float()
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kv = torch.cat([k, v], dim=-1).contiguous()
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # the accumulator of the share we hold
@@ -255,12 +260,12 @@ class _RingAttention(torch.autograd.Function):
         out = out.to(q_BhLD.dtype)
         ctx.save_for_backward(q_BhLD, k_BhLD, v_BhLD, out, lse)
         ctx.scale, ctx.mask, ctx.ring = scale, mask, ring
-        return out
+        return out, lse
 
     @staticmethod
-    def backward(ctx, dout_BhLD):
+    def backward(ctx, dout_BhLD, dlse_BhL):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(q, k, v, out, lse, dout_BhLD, ctx.scale, ctx.mask, ctx.ring)
+        dq, dk, dv = _ring_backward(q, k, v, out, lse, dout_BhLD, dlse_BhL, ctx.scale, ctx.mask, ctx.ring)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
@@ -271,7 +276,8 @@ def _log_kernel(backend: str) -> None:
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ring_group, ulysses_group=None,
                    causal: bool = True, softmax_scale: Optional[float] = None, backend: str = "auto",
-                   cu_seqlens: Optional[torch.Tensor] = None, window: Optional[int] = None) -> torch.Tensor:
+                   cu_seqlens: Optional[torch.Tensor] = None, window: Optional[int] = None,
+                   sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """This rank's share of exact attention over the whole sequence, laid out in zigzag order (zigzag.py).
 
     Args:
@@ -282,6 +288,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ring_gr
         backend: 'auto' | 'sdpa' (the torch block kernel); flash kernels are refused inside the ring.
         cu_seqlens: [N+1] int32 document boundaries over the GLOBAL B * Sp tokens (masks.py), or None.
         window: sliding window (key k visible to query q when q - k < window), or None.
+        sinks: [Hq] learned sink logits of all query heads (GPT-OSS), or None; this rank uses its Ulysses heads'.
     Returns:
         [B, s, Hq, D].
     """
@@ -310,5 +317,13 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ring_gr
     doc = document_ids(cu_seqlens.to(q.device), B, L * R) if cu_seqlens is not None else None
     r = dist.get_rank(ring_group) if R > 1 else 0
     mask = BlockMask(causal, share_positions(all_pos, R, r), all_pos, doc, window)
-    o_BhLD = _RingAttention.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale, mask, ring_group)
+    o_BhLD, lse_BhL = _RingAttention.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale, mask,
+                                           ring_group)
+    if sinks is not None:
+        # a sink is one more logit per head with no value: softmax([s, sink]) rescales the sink-free output by
+        # exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink); autograd carries it into lse and the sinks
+        h = o_BhLD.shape[1]
+        j = dist.get_rank(ulysses_group) if u > 1 else 0
+        keep = torch.sigmoid(lse_BhL - sinks[j * h:(j + 1) * h].float()[None, :, None])
+        o_BhLD = (o_BhLD.float() * keep[..., None]).to(q.dtype)
     return head_to_seq(o_BhLD.transpose(1, 2), ulysses_group)            # [B s Hq D]

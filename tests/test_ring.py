@@ -193,10 +193,7 @@ def test_zigzag_shard_batch_by_hand():
 
 
 def test_ring_refusals():
-    from ds_ulysses_ext import Topology, UnsupportedError, enable_context_parallel
-    from test_sliding_sinks import tiny_gpt_oss
-    with pytest.raises(UnsupportedError, match=r"attention sinks.*parallelism\.ring=2.*Set parallelism\.ring=1"):
-        enable_context_parallel(tiny_gpt_oss(), Topology(4, 0, 4, 1, ring_size=2))
+    from ds_ulysses_ext import UnsupportedError
     with pytest.raises(UnsupportedError, match="backend 'fa4' is not available inside ring attention"):
         ring_attention(*(torch.zeros(1, 4, 2, 8) for _ in range(3)), ring_group=None, backend="fa4")
 
@@ -218,15 +215,15 @@ def test_ring_model_refuses_a_contiguous_shard():
 
 # --- packed documents and sliding windows under the ring -----------------------------------------------------
 
-def _masked_reference(q, k, v, dout, cu, window):
+def _masked_reference(q, k, v, dout, cu, window, sinks):
     from ds_ulysses_ext.masks import masked_attention
-    q, k, v = (t.double().requires_grad_() for t in (q, k, v))
-    out = masked_attention(q, k, v, causal=True, cu_seqlens=cu, window=window)
+    q, k, v, sinks = (t.double().requires_grad_() for t in (q, k, v, sinks))
+    out = masked_attention(q, k, v, causal=True, cu_seqlens=cu, window=window, sinks=sinks)
     (out * dout.double()).sum().backward()
-    return out.detach(), q.grad, k.grad, v.grad
+    return out.detach(), q.grad, k.grad, v.grad, sinks.grad
 
 
-def _check_masked(rank, world, ring, window):
+def _check_masked(rank, world, ring, window, with_sinks):
     from ds_ulysses_ext.masks import cu_seqlens_of
     ring_mod.QUERY_BLOCK = 3
     topo = init_topology(world, ring_size=ring)
@@ -235,22 +232,28 @@ def _check_masked(rank, world, ring, window):
     # row 0: documents of 5, 8 and 3 tokens (the 8 crosses zigzag chunks); row 1: one document
     pos = torch.stack([torch.cat([torch.arange(5), torch.arange(8), torch.arange(3)]), torch.arange(16)])
     cu = cu_seqlens_of(pos)
-    ref = _masked_reference(q, k, v, dout, cu, window)
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(9)) * 2
+    ref = _masked_reference(q, k, v, dout, cu, window, sinks if with_sinks else torch.full((4,), -torch.inf))
     idx = rank_positions(Sp, world, ring, topo.cp_rank)
     local = [t[:, idx].clone().requires_grad_() for t in (q, k, v)]
+    my_sinks = sinks.clone().requires_grad_() if with_sinks else None
     out = ring_attention(*local, ring_group=topo.ring_group, ulysses_group=topo.ulysses_group, cu_seqlens=cu,
-                         window=window)
+                         window=window, sinks=my_sinks)
     (out * dout[:, idx]).sum().backward()
     assert _rel(out, ref[0][:, idx]) < RTOL, _rel(out, ref[0][:, idx])
-    for name, mine, full in zip("qkv", local, ref[1:]):
+    for name, mine, full in zip("qkv", local, ref[1:4]):
         assert _rel(mine.grad, full[:, idx]) < RTOL, (name, _rel(mine.grad, full[:, idx]))
+    if with_sinks:  # each rank's share of the sinks' gradient (its rows, its heads); the CP sum is the whole
+        import torch.distributed as dist
+        dist.all_reduce(my_sinks.grad)
+        assert _rel(my_sinks.grad, ref[4]) < RTOL, _rel(my_sinks.grad, ref[4])
 
 
 @pytest.mark.parametrize("world,ring", [(2, 2), (4, 4), (4, 2)])
-@pytest.mark.parametrize("window", [None, 3])
-def test_ring_documents_and_window_match_the_torch_path(world, ring, window):
+@pytest.mark.parametrize("window,with_sinks", [(None, False), (3, False), (3, True)])
+def test_ring_documents_window_sinks_match_the_torch_path(world, ring, window, with_sinks):
     # window 3: many blocks hold rows that see none of their keys (their partial lse is -inf)
-    run_ranks(_check_masked, world, ring, window)
+    run_ranks(_check_masked, world, ring, window, with_sinks)
 
 
 def _packed_model_check(rank, world, family, ring, overrides):
@@ -281,17 +284,19 @@ def test_packed_rows_with_a_window_under_the_hybrid():
 def _windowed_model_check(rank, world, family, ring):
     from cp_reference import cp_loss_and_grads, rel
     from ds_ulysses_ext import enable_context_parallel
-    from test_sliding_sinks import WINDOWED, _batch, _reference
-    from tiny_models import tiny_model
+    from test_sliding_sinks import WINDOWED, _batch, _reference, build
     ref_loss, ref_grads = _reference(family, WINDOWED[family])
     topo = init_topology(world, ring_size=ring)
-    model = enable_context_parallel(tiny_model(family, **WINDOWED[family]), topo, backend="sdpa")
+    model = enable_context_parallel(build(family, **WINDOWED[family]), topo, backend="sdpa")
     loss, grads = cp_loss_and_grads(model, topo, _batch())
     assert rel(loss, ref_loss) < RTOL, (loss, ref_loss)
     for name, g in grads.items():
         assert rel(g, ref_grads[name]) < RTOL, (name, rel(g, ref_grads[name]))
+    assert any("sinks" in n for n in grads) == (family == "gpt_oss")
 
 
-@pytest.mark.parametrize("family,world,ring", [("qwen3", 4, 4), ("mistral", 4, 2)])
-def test_sliding_window_models_under_the_ring_match_unsplit(family, world, ring):
+# gpt_oss: a sliding and a full layer, learned sinks (against its eager HF reference)
+@pytest.mark.parametrize("family,world,ring", [("qwen3", 4, 4), ("mistral", 4, 2), ("gpt_oss", 4, 2),
+                                               ("gpt_oss", 2, 2)])
+def test_window_and_sink_models_under_the_ring_match_unsplit(family, world, ring):
     run_ranks(_windowed_model_check, world, family, ring)

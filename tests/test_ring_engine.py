@@ -61,9 +61,6 @@ def test_ring_refusals_by_config():
         _validate(["parallelism.cp=4", "parallelism.ring=1"] + TWO_HEADS, 4)  # Ulysses alone, asked for by name
     with pytest.raises(ConfigError, match=r"parallelism\.ring=many is neither auto nor a positive integer"):
         _validate(["parallelism.cp=4", "parallelism.ring=many"], 4)
-    with pytest.raises(ConfigError, match=r"model\.family=gpt_oss has attention sinks.*parallelism\.ring=2.*set "
-                                          r"parallelism\.ring=1"):
-        _validate(["parallelism.cp=4", "parallelism.ring=2", "model.family=gpt_oss"], 4)
     # packing and sliding windows run under the ring (tests/test_ring.py checks them exact)
     assert _validate(["parallelism.cp=4", "parallelism.ring=2", "data.pack=true", "+model.arch.use_sliding_window=true",
                       "+model.arch.sliding_window=8"], 4).ring == 2
