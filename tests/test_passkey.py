@@ -213,7 +213,8 @@ def test_teacher_forced_exact_match_agrees_with_greedy_generate():
     from ds_ulysses_ext import CPCausalLM, shard_batch
     from engine.data import DEMO_TOKENIZER
     from engine.retrieval import answer_hits
-    one = SimpleNamespace(cp_size=1, cp_rank=0)
+    from ds_ulysses_ext import init_topology
+    one = init_topology(1)  # the single-process topology (no process group)
     hf = tiny_model("llama", vocab_size=512).eval()
     lm = CPCausalLM(hf)
     task = PasskeyTask(SimpleNamespace(**{**vars(KEY80), "key_length": 3}), load_tokenizer(DEMO_TOKENIZER))
