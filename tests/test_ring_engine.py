@@ -18,9 +18,10 @@ TWO_HEADS = ["model.arch.num_attention_heads=2", "model.arch.num_key_value_heads
 def test_ring_and_hybrid_match_single_process(tmp_path):
     ref = train(tmp_path, "w1", 1, ZERO3 + WORLD_1)
     assert len({r["loss"] for r in ref}) == 3
-    for ring in (2, 4):
-        got = train(tmp_path, f"w4_cp4_ring{ring}", 4, ZERO3 + ["parallelism.cp=4", f"parallelism.ring={ring}"])
-        assert_same_trajectory(got, ref, f"ring={ring}")
+    # the hybrid also under the long-context memory policy (the ring's saved tensors kept, one layer recomputed whole)
+    for ring, memory in ((2, ["memory=except_attention", "memory.recompute_num_layers=1"]), (4, [])):
+        got = train(tmp_path, f"w4_cp4_ring{ring}", 4, ZERO3 + ["parallelism.cp=4", f"parallelism.ring={ring}"] + memory)
+        assert_same_trajectory(got, ref, f"ring={ring} {memory}")
 
 
 def test_auto_ring_for_heads_cp_cannot_split(tmp_path, monkeypatch):
