@@ -207,9 +207,14 @@ def _wrong_layout(rank, world):
     contiguous = shard_batch({"input_ids": ids, "labels": labels}, Topology(2, rank, 2, 1))  # Ulysses' layout
     with pytest.raises(UnsupportedError, match=r"zigzag positions \(ring=2\)"):
         lm(**contiguous)
+    zigzag = shard_batch({"input_ids": ids, "labels": labels}, topo)
+    mask = torch.ones_like(zigzag["input_ids"])
+    mask[:, -1] = 0  # rank 0's last token is a pad of the padded row: trailing in sequence order, not in rank order
+    with pytest.raises(UnsupportedError, match=r"2D attention_mask with pads is not accepted under ring attention"):
+        lm(**zigzag, attention_mask=mask)
 
 
-def test_ring_model_refuses_a_contiguous_shard():
+def test_ring_model_refuses_a_contiguous_shard_and_a_padded_mask():
     run_ranks(_wrong_layout, 2)
 
 
