@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import ds_ulysses_ext.ring as ring_mod
+from cp_check import assert_share_matches_unsplit
 from dist_harness import run_ranks
 from ds_ulysses_ext import init_topology
 from ds_ulysses_ext.ring import ring_attention
@@ -122,7 +123,6 @@ def _model_reference(family, overrides):
 
 
 def _model_check(rank, world, family, ring, overrides):
-    import torch.distributed as dist
     from ds_ulysses_ext import CPCausalLM, enable_context_parallel, shard_batch
     from tiny_models import tiny_model
     ring_mod.QUERY_BLOCK = 5
@@ -133,17 +133,7 @@ def _model_check(rank, world, family, ring, overrides):
     ids, labels = _model_batch()
     local = shard_batch({"input_ids": ids, "labels": labels}, topo)
     loss_sum, count = lm(**local)
-    global_count = count.clone()
-    dist.all_reduce(global_count, group=topo.cp_group)
-    share = loss_sum / global_count
-    share.backward()
-    total = share.detach().clone()
-    dist.all_reduce(total, group=topo.cp_group)
-    assert _rel(total, ref_loss) < RTOL, (total, ref_loss)
-    for name, p in model.named_parameters():
-        grad = p.grad.clone()
-        dist.all_reduce(grad, group=topo.cp_group)
-        assert _rel(grad, ref_grads[name]) < RTOL, (name, _rel(grad, ref_grads[name]))
+    assert_share_matches_unsplit(model, loss_sum, count, topo, ref_loss, ref_grads, (family, ring))
 
 
 @pytest.mark.parametrize("family,world,ring", [("llama", 2, 2), ("llama", 4, 4), ("llama", 4, 2),

@@ -9,10 +9,10 @@ Types outside the checked list are refused at model time (and at config time: te
 """
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import modeling_rope_utils
 
+from cp_check import assert_share_matches_unsplit
 from dist_harness import run_ranks
 from ds_ulysses_ext import (CPCausalLM, Topology, UnsupportedError, enable_context_parallel, init_topology,
                             shard_batch)
@@ -80,17 +80,7 @@ def _check_case(rank, world, case):
         logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
     assert _rel(logits, ref_logits[:, start:end]) < RTOL, (case, rank, _rel(logits, ref_logits[:, start:end]))
     loss_sum, count = CPCausalLM(model)(**local)
-    global_count = count.clone()
-    dist.all_reduce(global_count, group=topo.cp_group)
-    share = loss_sum / global_count
-    share.backward()
-    total = share.detach().clone()
-    dist.all_reduce(total, group=topo.cp_group)
-    assert _rel(total, ref_loss) < RTOL, (case, total, ref_loss)
-    for name, p in model.named_parameters():
-        grad = p.grad.clone()
-        dist.all_reduce(grad, group=topo.cp_group)
-        assert _rel(grad, ref_grads[name]) < RTOL, (case, name, _rel(grad, ref_grads[name]))
+    assert_share_matches_unsplit(model, loss_sum, count, topo, ref_loss, ref_grads, case)
 
 
 def _check_all(rank, world):
