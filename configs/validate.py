@@ -7,6 +7,7 @@ The config is never mutated: derived values (dp, grad_accum) are returned in the
 """
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from configs.data import BAD_LINE_POLICIES, DATA_FORMATS, DATA_SOURCES, OVERLONG_POLICIES, DataConfig, check_passkey
@@ -135,6 +136,16 @@ def _check_model(model: ModelConfig) -> None:
         "model.source=pretrained needs model.path; set model.path=<local dir or hub id>, "
         "or use model.source=config for a random init",
     )
+    if model.source == "pretrained" and model.path:
+        # a hub id is "name" or "namespace/name"; anything else can only be a local folder, so it must exist
+        # (else transformers fails after start-up with a message about repo ids)
+        path = str(model.path)
+        local_only = path.startswith((".", "/", "~")) or path.count("/") > 1
+        _require(
+            not local_only or Path(path).expanduser().is_dir(),
+            f"model.path={path} is not a folder here (and cannot be a hub id, which is name or namespace/name); "
+            "fix the path, or run the run that writes it first (e.g. the previous stage of a curriculum)",
+        )
     # An empty arch would silently build the HF default config (a 7B Llama for family=llama).
     _require(
         model.source != "config" or bool(model.arch),

@@ -105,3 +105,13 @@ def test_hf_router_loss_switch_is_refused_by_the_library():
     model = tiny_model("qwen3_moe", output_router_logits=True)
     with pytest.raises(UnsupportedError, match="output_router_logits=true"):
         enable_context_parallel(model, init_topology(1))
+
+
+def test_a_local_model_path_that_does_not_exist_is_refused_before_the_build(tmp_path):
+    missing = tmp_path / "stage1" / "hf_export"
+    with pytest.raises(ConfigError, match=r"model.path=.*hf_export is not a folder here"):
+        validate(compose_config(["model.source=pretrained", f"model.path={missing}",
+                                 "trainer.global_batch_size=2"]), world_size=2)
+    missing.mkdir(parents=True)
+    validate(compose_config(["model.source=pretrained", f"model.path={missing}", "trainer.global_batch_size=2"]),
+             world_size=2)
