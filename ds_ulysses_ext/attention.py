@@ -30,6 +30,21 @@ from .comm import group_size, head_to_seq, seq_to_head
 from .layout import kv_replication
 
 
+def heads_exchange(q, k, v, group):
+    """[B s Hq D], [B s Hkv D] x2 -> this rank's heads over the whole sequence: [B S hq D], [B S hkv D] x2.
+
+    K and V travel in one all-to-all; with more ranks than KV heads they are replicated first."""
+    cp = group_size(group)
+    rep = kv_replication(q.shape[2], k.shape[2], cp)
+    if rep > 1:
+        # [B s Hkv D] -> [B s cp D]: KV head i is read by query-head ranks i*rep .. i*rep+rep-1
+        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+    q_BShD = seq_to_head(q, group)                                 # [B S hq D]
+    kv_BShD = seq_to_head(_pack_kv(k, v, cp), group)               # [B S 2*hkv D]
+    hkv = kv_BShD.shape[2] // 2
+    return q_BShD, kv_BShD[:, :, :hkv], kv_BShD[:, :, hkv:]
+
+
 def _pack_kv(k_BsHD: torch.Tensor, v_BsHD: torch.Tensor, cp: int) -> torch.Tensor:
     # [B s Hkv' D] x2 -> [B s cp*(2*hkv) D]: destination rank j's block holds its K heads then its V heads
     B, s, H, D = k_BsHD.shape
@@ -66,14 +81,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
         hq = q.shape[2] // cp
         j = dist.get_rank(group)
         sinks = sinks[j * hq:(j + 1) * hq]
-    rep = kv_replication(q.shape[2], k.shape[2], cp)
-    if rep > 1:
-        # [B s Hkv D] -> [B s cp D]: KV head i is read by query-head ranks i*rep .. i*rep+rep-1
-        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
-    q_BShD = seq_to_head(q, group)                                 # [B S hq D]
-    kv_BShD = seq_to_head(_pack_kv(k, v, cp), group)               # [B S 2*hkv D]
-    hkv = kv_BShD.shape[2] // 2
-    k_BShD, v_BShD = kv_BShD[:, :, :hkv], kv_BShD[:, :, hkv:]
+    q_BShD, k_BShD, v_BShD = heads_exchange(q, k, v, group)
     o_BShD = local_attention(backend, q_BShD, k_BShD, v_BShD, causal=causal, softmax_scale=softmax_scale,
                              sinks=sinks, **features)
     return head_to_seq(o_BShD, group)                              # [B s Hq D]

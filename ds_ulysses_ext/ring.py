@@ -41,10 +41,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .attention import _pack_kv
-from .comm import group_size, head_to_seq, seq_to_head
+from .attention import heads_exchange
+from .comm import group_size, head_to_seq
 from .errors import UnsupportedError
-from .layout import kv_replication
 from .masks import document_ids
 
 log = logging.getLogger(__name__)
@@ -299,13 +298,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ring_gr
     u = group_size(ulysses_group)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     if u > 1:
-        rep = kv_replication(q.shape[2], k.shape[2], u)
-        if rep > 1:
-            k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
-        q = seq_to_head(q, ulysses_group)                                  # [B L h D]
-        kv = seq_to_head(_pack_kv(k, v, u), ulysses_group)                 # [B L 2*hkv D]
-        hkv = kv.shape[2] // 2
-        k, v = kv[:, :, :hkv], kv[:, :, hkv:]
+        q, k, v = heads_exchange(q, k, v, ulysses_group)                   # [B L h D], [B L hkv D] x2
     if q.shape[1] % 2:
         raise ValueError(f"the ring share has {q.shape[1]} tokens, not two zigzag chunks; lay the batch out "
                          "with shard_batch() (zigzag.py)")
