@@ -330,8 +330,8 @@ def test_real_launcher_smoke(tmp_path, launcher):
     assert f"hf_export: {out / 'hf_export'}" in proc.stdout
 
 
-def _run_and_keep_movement(rank, world, overrides, report):
-    """scripts/train.py; rank 0 saves how far its share of the fp32 master weights moved over the run."""
+def _run_keeping_engine(rank, world, overrides) -> dict:
+    """scripts/train.py, keeping the engine and its master partitions at the start (this forked rank only)."""
     import engine.train as loop
     build, kept = loop.build, {}
 
@@ -339,8 +339,14 @@ def _run_and_keep_movement(rank, world, overrides, report):
         built = build(*args, **kwargs)
         kept["engine"], kept["start"] = built[0], [p.detach().clone() for p in _master_partitions(built[0].optimizer)]
         return built
-    loop.build = build_and_keep  # this forked rank only
+    loop.build = build_and_keep
     _run(rank, world, overrides)
+    return kept
+
+
+def _run_and_keep_movement(rank, world, overrides, report):
+    """scripts/train.py; rank 0 saves how far its share of the fp32 master weights moved over the run."""
+    kept = _run_keeping_engine(rank, world, overrides)
     if rank == 0:
         end = _master_partitions(kept["engine"].optimizer)
         torch.save(torch.cat([(b.float() - a.float()).flatten() for a, b in zip(kept["start"], end)]), report)
@@ -403,15 +409,7 @@ def _optimizer_report(optimizer, start):
 
 def _run_and_report(rank, world, overrides, report):
     """scripts/train.py, keeping the engine so that rank 0 can save what its optimizer holds at the end."""
-    import engine.train as loop
-    build, kept = loop.build, {}
-
-    def build_and_keep(*args, **kwargs):
-        built = build(*args, **kwargs)
-        kept["engine"], kept["start"] = built[0], [p.detach().clone() for p in _master_partitions(built[0].optimizer)]
-        return built
-    loop.build = build_and_keep  # this forked rank only
-    _run(rank, world, overrides)
+    kept = _run_keeping_engine(rank, world, overrides)
     if rank == 0:
         torch.save(_optimizer_report(kept["engine"].optimizer, kept["start"]), report)
 
