@@ -50,6 +50,9 @@ class TrainerConfig:
     # a ZeRO-3 checkpoint written by another number of ranks: re-partition it (DeepSpeed's universal checkpoint,
     # a temporary copy of the fp32 weights and Adam moments) and continue exactly; false: refuse (engine/reshard.py)
     reshard_on_resume: bool = True
+    # end the run after the first step that ends this many minutes after the start, as the last step would (final
+    # eval, checkpoint, HF export): for jobs with a wall-time limit. The lr schedule still runs to max_steps. 0 = off
+    max_minutes: float = 0.0
     stop_after_steps: int = 0  # debug/tests: exit after N steps as if interrupted (to test resume); 0 = off
     export_hf: bool = True  # at the end, write an HF `save_pretrained` folder of the trained model
     loss_chunk_size: int = 4096  # tokens per chunk of the chunked logits + loss (full-vocab logits never exist)

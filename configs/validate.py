@@ -248,6 +248,7 @@ def _check_trainer(t: TrainerConfig) -> None:
         f"trainer.warmup_steps={t.warmup_steps} must be in [0, trainer.max_steps={t.max_steps}]; "
         "lower trainer.warmup_steps or raise trainer.max_steps",
     )
+    _require(t.max_minutes >= 0, f"trainer.max_minutes={t.max_minutes} must be >= 0 (0 = no wall-time limit)")
     _require(
         t.stop_after_steps == 0 or 0 < t.stop_after_steps < t.max_steps,
         f"trainer.stop_after_steps={t.stop_after_steps} must be 0 (off) or less than "

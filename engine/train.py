@@ -102,7 +102,9 @@ def train(cfg: TrainConfig, plan: Plan, rt: Runtime) -> dict:
     # automatic GC pauses one rank at a random moment and stalls every collective; collect together instead
     gc.disable()
     stop = min(cfg.trainer.max_steps, cfg.trainer.stop_after_steps or cfg.trainer.max_steps)
-    preemption = Preemption(cfg.trainer.save_every_minutes)  # signal handlers, restored in `finally`
+    # signal handlers (restored in `finally`) and the run's clocks
+    preemption = Preemption(cfg.trainer.save_every_minutes, cfg.trainer.max_minutes)
+    out_of_time = False
     try:
         for step in range(start, stop):
             micro_batches = [collate([dataset[i] for i in idx], cfg.data.seq_len, pad_id)
@@ -127,8 +129,11 @@ def train(cfg: TrainConfig, plan: Plan, rt: Runtime) -> dict:
             if moe_aux_coef is not None:  # MoE: the balance loss, the load figure, and the bias step of balance=bias
                 record["moe_aux_loss"] = result.moe_aux_loss
                 record.update(moe_step_end(hf, cfg, apply_bias=not (skipped or fatal)))
+            # one collective per step: a signal, a timed checkpoint, the wall-time limit (the last ends the run here)
+            stop_now, save_due, out_of_time = preemption.agreed(rt.device, rt.is_main)
+            last = step + 1 == cfg.trainer.max_steps or (out_of_time and not stop_now)
             every = cfg.trainer.eval_every
-            if not fatal and every and ((step + 1) % every == 0 or step + 1 == cfg.trainer.max_steps):
+            if not fatal and every and ((step + 1) % every == 0 or last):
                 t_eval = time.perf_counter()
                 record["eval_loss"], record["eval_tokens"] = evaluate(
                     engine, eval_data, eval_indices, topo, plan.dp, plan.micro_batch_size,
@@ -144,18 +149,24 @@ def train(cfg: TrainConfig, plan: Plan, rt: Runtime) -> dict:
                 log.warning(skipped_warning(step + 1, result))
             if cfg.trainer.gc_every and (step + 1) % cfg.trainer.gc_every == 0:
                 gc.collect()
-            stop_now, save_due = preemption.agreed(rt.device, rt.is_main)
             if save_due or (cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0):
                 save(step + 1)
             if step + 1 < stop and stop_now:
                 if checkpoint.latest_tag(out_dir) != checkpoint.tag_of(step + 1):
                     save(step + 1)
                 return {"preempted_at": step + 1}
+            if out_of_time and step + 1 < stop:
+                stop = step + 1
+                if rt.is_main:
+                    log.warning("trainer.max_minutes=%g reached after step %d of %d: ending the run here (final "
+                                "checkpoint and export; the lr schedule was planned for trainer.max_steps)",
+                                cfg.trainer.max_minutes, stop, cfg.trainer.max_steps)
+                break
     finally:
         tracker.close()
         preemption.restore()
         gc.enable()
-    if stop < cfg.trainer.max_steps:  # stopped early on purpose (tests of resume): no final save/export
+    if stop < cfg.trainer.max_steps and not out_of_time:  # stop_after_steps (tests of resume): no final save/export
         return {"stopped_at": stop}
 
     # --- end of run: checkpoint, HF export, loss plot

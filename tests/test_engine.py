@@ -174,6 +174,16 @@ def test_resume_continues_the_same_trajectory(tmp_path):
         assert got["loss"] == ref["loss"] and got["grad_norm"] == ref["grad_norm"], (got, ref)
 
 
+def test_the_wall_time_limit_ends_the_run_as_a_last_step_would(tmp_path):
+    # 1e-6 minutes: over after the first step; the run still evaluates, checkpoints and exports at that step
+    extra = ["parallelism.cp=2", "trainer.max_minutes=1e-6", "trainer.eval_every=10", "data.eval_samples=4",
+             "trainer.save_at_end=true", "trainer.export_hf=true"]
+    got = train(tmp_path, "timed", 2, extra)
+    assert [r["step"] for r in got] == [1] and "eval_loss" in got[0]
+    assert (tmp_path / "timed" / "checkpoints" / "latest").read_text().strip() == "step_00000001"
+    assert (tmp_path / "timed" / "hf_export" / "config.json").exists()
+
+
 def test_keep_checkpoints_keeps_the_newest_and_the_run_resumes_from_them(tmp_path):
     extra = ["parallelism.cp=2", "trainer.save_every=1", "trainer.keep_checkpoints=2"]
     first = train(tmp_path, "kept", 2, extra + ["trainer.stop_after_steps=4"])

@@ -213,20 +213,37 @@ def test_timed_checkpoint_is_due_after_the_interval_and_on_rank_0s_clock(monkeyp
     try:
         cpu = torch.device("cpu")
         now[0] += 119
-        assert clock.agreed(cpu, is_main=True) == (False, False)
+        assert clock.agreed(cpu, is_main=True) == (False, False, False)
         now[0] += 1
-        assert clock.agreed(cpu, is_main=True) == (False, True)
-        assert clock.agreed(cpu, is_main=False) == (False, False)  # other ranks get rank 0's answer, by all-reduce
+        assert clock.agreed(cpu, is_main=True) == (False, True, False)
+        assert clock.agreed(cpu, is_main=False) == (False, False, False)  # others get rank 0's, by all-reduce
         clock.saved()
-        assert clock.agreed(cpu, is_main=True) == (False, False)
+        assert clock.agreed(cpu, is_main=True) == (False, False, False)
         clock.requested = True
-        assert clock.agreed(cpu, is_main=True) == (True, False)
+        assert clock.agreed(cpu, is_main=True) == (True, False, False)
     finally:
         clock.restore()
     off = pre.Preemption(save_every_minutes=0)
     now[0] += 10**6
-    assert off.agreed(torch.device("cpu"), is_main=True) == (False, False)
+    assert off.agreed(torch.device("cpu"), is_main=True) == (False, False, False)
     off.restore()
+
+
+def test_the_wall_time_limit_counts_from_the_start_on_rank_0s_clock(monkeypatch):
+    import engine.preemption as pre
+    now = [50.0]
+    monkeypatch.setattr(pre.time, "monotonic", lambda: now[0])
+    clock = pre.Preemption(save_every_minutes=1, max_minutes=3)
+    try:
+        cpu = torch.device("cpu")
+        now[0] += 179
+        clock.saved()  # a checkpoint does not restart the run's clock
+        assert clock.agreed(cpu, is_main=True)[2] is False
+        now[0] += 1
+        assert clock.agreed(cpu, is_main=True) == (False, False, True)
+        assert clock.agreed(cpu, is_main=False)[2] is False
+    finally:
+        clock.restore()
 
 
 def test_attention_benchmark_script_runs_on_cpu():
