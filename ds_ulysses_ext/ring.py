@@ -26,8 +26,10 @@ The dK|dV send of step t overlaps the kernel of step t + 1. Per hop: K|V in the 
 The per-block kernel is exact torch (fp32 logits, one [B h bq Lk] block of bq = QUERY_BLOCK rows at a time), on
 CPU and GPU; flash kernels are not used inside the ring yet. Its mask is built from GLOBAL positions (BlockMask):
 causal, packed documents (the global cu_seqlens shard_batch returns, as for Ulysses) and HF's sliding window, so
-packing and windows are exact under the ring too (a block a window or a document boundary hides entirely is still
-computed, masked). A row may see no key of some block: its partial lse is -inf and it merges as an empty share.
+packing and windows are exact under the ring too. A step whose block a window hides entirely (no query row within
+the window of any of its keys) is skipped, in forward and backward: an empty block adds nothing to the merge, to dq
+or to the dK|dV accumulator, which still travels on. A block that only document boundaries hide is still computed,
+masked. A row may see no key of some block: its partial lse is -inf and it merges as an empty share.
 GPT-OSS's sinks rescale the merged output by sigmoid(lse - sink) after the ring, in autograd: the ring's
 backward takes the gradient that reaches the log-sum-exp as well.
 """
@@ -184,6 +186,20 @@ def _step_slices(t: int, src: int, r: int, L: int, causal: bool):
     return slice(c, L), slice(0, L)
 
 
+def _sees_any(mask: BlockMask) -> bool:
+    """Whether some query row of a ring step's block sees some key of it; False only when the window hides it all.
+
+    Without a window every block the ring computes is seen (_step_slices drops the causal halves no query sees), so
+    that answer costs nothing. With one, both position lists are increasing (zigzag chunks in order): each query's
+    nearest key at or before it decides (one host sync per step). Documents are not looked at, so a block they
+    alone hide is computed, masked; skipping stays exact either way."""
+    if mask.window is None:
+        return True
+    q, k = mask.q_pos, mask.k_pos
+    nearest = torch.searchsorted(k, q, right=True) - 1  # the last key at or before each query, -1 if none
+    return bool(((nearest >= 0) & (q - k[nearest.clamp_min(0)] < mask.window)).any())
+
+
 def _block_mask(mask: BlockMask, ring: "_Ring", src: int, rows: slice, keys: slice) -> BlockMask:
     # the share of ring rank src holds the positions of its zigzag chunks, in order
     return BlockMask(mask.causal, mask.q_pos[rows], share_positions(mask.k_pos, ring.size, src)[keys],
@@ -205,15 +221,16 @@ def _ring_forward(q, k, v, scale, mask: BlockMask, ring: _Ring):
         pending = ring.start(kv) if t + 1 < ring.size else None
         src = (ring.rank - t) % ring.size
         rows, keys = _step_slices(t, src, ring.rank, L, mask.causal)
-        o_b, l_b = block_forward(q[:, :, rows], kv[:, :, keys, :D], kv[:, :, keys, D:], scale,
-                                 _block_mask(mask, ring, src, rows, keys))
-        # fp32 online softmax: rescale both partial results to the merged log-sum-exp (rows that have seen no key
-        # yet stay at out 0, lse -inf)
-        merged = torch.logaddexp(lse[:, :, rows], l_b)
-        safe = _finite(merged)
-        out[:, :, rows] = (out[:, :, rows] * torch.exp(lse[:, :, rows] - safe)[..., None]
-                           + o_b * torch.exp(l_b - safe)[..., None])
-        lse[:, :, rows] = merged
+        step_mask = _block_mask(mask, ring, src, rows, keys)
+        if _sees_any(step_mask):  # a block the window hides would merge as an empty share: skip it
+            o_b, l_b = block_forward(q[:, :, rows], kv[:, :, keys, :D], kv[:, :, keys, D:], scale, step_mask)
+            # fp32 online softmax: rescale both partial results to the merged log-sum-exp (rows that have seen no
+            # key yet stay at out 0, lse -inf)
+            merged = torch.logaddexp(lse[:, :, rows], l_b)
+            safe = _finite(merged)
+            out[:, :, rows] = (out[:, :, rows] * torch.exp(lse[:, :, rows] - safe)[..., None]
+                               + o_b * torch.exp(l_b - safe)[..., None])
+            lse[:, :, rows] = merged
         if pending is not None:
             kv = ring.wait(pending)
     return out, lse
@@ -234,14 +251,17 @@ def _ring_backward(q, k, v, out, lse, dout, dlse, scale, mask: BlockMask, ring: 
         pending_kv = ring.start(kv) if t + 1 < ring.size else None
         src = (ring.rank - t) % ring.size
         rows, keys = _step_slices(t, src, ring.rank, L, mask.causal)
-        dq_b, dk_b, dv_b = block_backward(q[:, :, rows], kv[:, :, keys, :D], kv[:, :, keys, D:], dout[:, :, rows],
-                                          lse[:, :, rows], delta[:, :, rows], scale,
-                                          _block_mask(mask, ring, src, rows, keys))
-        dq[:, :, rows] += dq_b
+        step_mask = _block_mask(mask, ring, src, rows, keys)
+        seen = _sees_any(step_mask)  # a block the window hides has zero gradients: skip it, pass dK|dV on as is
+        if seen:
+            dq_b, dk_b, dv_b = block_backward(q[:, :, rows], kv[:, :, keys, :D], kv[:, :, keys, D:],
+                                              dout[:, :, rows], lse[:, :, rows], delta[:, :, rows], scale, step_mask)
+            dq[:, :, rows] += dq_b
         if pending_dkv is not None:  # the accumulator of this step's share, from the previous rank
             dkv = _Ring.wait(pending_dkv)
-        dkv[:, :, keys, :D] += dk_b
-        dkv[:, :, keys, D:] += dv_b
+        if seen:
+            dkv[:, :, keys, :D] += dk_b
+            dkv[:, :, keys, D:] += dv_b
         if ring.size > 1:
             pending_dkv = ring.start(dkv)  # overlaps the next step's kernel; the last hop brings ours home
         if pending_kv is not None:

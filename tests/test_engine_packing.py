@@ -1,4 +1,4 @@
-"""scripts/train.py with data.pack=true: the same loss and grad_norm at world 1 and at w2 cp2 (fp32, rel 1e-5).
+"""scripts/train.py with data.pack=true: equal loss and grad_norm at world 1, w2 cp2 and w4 cp2 dp2 (fp32, rel 1e-5).
 
 The documents are short lines of the shipped tokenizer's text (3 to 29 words), packed into 48-token rows, so
 every row holds several documents and document boundaries fall inside and across the cp chunks.
@@ -25,3 +25,6 @@ def test_packed_runs_match_across_layouts(tmp_path):
     ref = train(tmp_path, "w1", 1, extra + ["parallelism.cp=1"])
     assert len({r["loss"] for r in ref}) == 3
     assert_same_trajectory(train(tmp_path, "w2_cp2", 2, extra + ["parallelism.cp=2"]), ref, "packed, w2 cp2")
+    # two dp ranks of two cp ranks each: the rows do not depend on the layout; each dp rank takes half of a step's
+    # 4 rows (2 micro-batches of 1) and splits each row's documents over its cp pair
+    assert_same_trajectory(train(tmp_path, "w4_cp2_dp2", 4, extra + ["parallelism.cp=2"]), ref, "packed, w4 cp2 dp2")

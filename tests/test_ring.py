@@ -295,3 +295,44 @@ def _windowed_model_check(rank, world, family, ring):
                                                ("gpt_oss", 2, 2)])
 def test_window_and_sink_models_under_the_ring_match_unsplit(family, world, ring):
     run_ranks(_windowed_model_check, world, family, ring)
+
+
+def _count_skipped_blocks(rank, world, window, expected):
+    # ring 4 over 32 tokens: 8 zigzag chunks of 4; rank r holds chunks r and 7 - r. With a window of at most a chunk,
+    # a query sees keys of its own chunk and the one before only, so every step whose share holds neither is skipped;
+    # the outputs and all gradients still equal the fp64 torch path
+    from ds_ulysses_ext.masks import masked_attention
+    ring_mod.QUERY_BLOCK = 3
+    calls = {"forward": 0, "backward": 0}
+    forward, backward = ring_mod.block_forward, ring_mod.block_backward
+
+    def counted(name, fn):
+        def call(*args):
+            calls[name] += 1
+            return fn(*args)
+        return call
+
+    ring_mod.block_forward, ring_mod.block_backward = counted("forward", forward), counted("backward", backward)
+    topo = init_topology(world, ring_size=world)
+    Sp = 32
+    q, k, v, dout = _inputs(Sp, 2, Sp)
+    ref = [t.double().requires_grad_() for t in (q, k, v)]
+    ref_out = masked_attention(*ref, causal=True, window=window)  # fp64, the torch path the test above trusts
+    (ref_out * dout.double()).sum().backward()
+    idx = rank_positions(Sp, world, world, topo.cp_rank)
+    local = [t[:, idx].clone().requires_grad_() for t in (q, k, v)]
+    out = ring_attention(*local, ring_group=topo.ring_group, causal=True, window=window)
+    (out * dout[:, idx]).sum().backward()
+    assert _rel(out, ref_out.detach()[:, idx]) < RTOL, _rel(out, ref_out.detach()[:, idx])
+    for name, mine, full in zip("qkv", local, ref):
+        assert _rel(mine.grad, full.grad[:, idx]) < RTOL, (name, _rel(mine.grad, full.grad[:, idx]))
+    assert calls == {"forward": expected[rank], "backward": expected[rank]}, (rank, calls)
+
+
+@pytest.mark.parametrize("window,expected", [
+    (None, [4, 4, 4, 4]),  # no window: every step computes (the causal halves are already cut by _step_slices)
+    (2, [2, 3, 3, 2]),     # rank 0 needs chunk 6 (step 3), rank 1 chunks 0 and 5, rank 2 chunks 1 and 4, rank 3 chunk 2
+    (6, [3, 4, 4, 3]),     # a chunk's first two queries reach two chunks back: rank 0 needs 5 too, rank 3 chunk 1
+])
+def test_ring_skips_the_blocks_a_window_hides(window, expected):
+    run_ranks(_count_skipped_blocks, 4, window, expected)
