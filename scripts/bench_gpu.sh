@@ -33,6 +33,16 @@
 #                $MOE_EXTRA, default moe=expert_recompute) and stock HF (moe_model_bench.py) at $MOE_HF_SEQS
 #   train_1m_4l  the same 1M-token step with 4 of the 16 layers: GPU memory is set by one layer's working set
 #                plus offloaded inputs (host), so this shows whether 1M fits; time scales ~linearly with layers
+#   attn_features  attention features at 128k, bf16 Hq32/Hkv8 D64, fwd+bwd, against one full causal SDPA (cuDNN) call
+#                in the same process (scripts/bench_attn_features.py; an exactness check of the simulation first):
+#                ring.py's per-block torch kernels + fp32 merge at ring 2 and 4 simulated on one GPU (rank 0's work
+#                x ring size) and the same blocks through SDPA (a projection), then sliding windows 4096 and 128
+#                (and 128 + sinks) through masks.py's torch path; $ATTN_PARTS replaces the parts (ring,window;
+#                ring_window adds ring.py with a window); $OUT/attn_features.jsonl. About 1 min
+#   pack_sft     packed SFT, Llama-3.2-1B shape: chat-like lengths (lognormal, median 600, clipped to 16..16384)
+#                packed into 32k and 128k rows vs one sample per padded 16k row, real tokens/s through
+#                scripts/train.py (scripts/bench_packing.py; $PACK_ARGS: more arguments); $OUT/pack_sft.jsonl and
+#                the runs' folders under $OUT/pack_sft/. About 2-2.5 min
 #   bg_1m_start  the full 16-layer 1M step ($BG_POINT, default 1048576:long_context; $BG_ARGS: more bench_train
 #                arguments) in the background, through scripts/bench_bg.sh (BG=/tmp/bg1m), so it outlives the command
 #   bg_1m_wait   wait up to $WAIT_S (default 570) s for that run, then pack it into $OUT (scripts/bench_bg.sh wait);
@@ -86,6 +96,9 @@ for part in ${*:-attn train_short train_long}; do
     train_1m) python3 scripts/bench_train.py --points 1048576:long_context --steps 1 --timeout 580 ;;
     train_1m_4l) python3 scripts/bench_train.py --points 1048576:long_context --steps 1 --timeout 580 \
                    model.arch.num_hidden_layers=4 ;;
+    attn_features) python3 scripts/bench_attn_features.py --parts "${ATTN_PARTS:-ring,window}" --check --budget-s 15 \
+                     --out "$OUT/attn_features.jsonl" ;;
+    pack_sft) python3 scripts/bench_packing.py ${PACK_ARGS:-} ;;
     *) echo "unknown part $part" ;;
   esac
 done
