@@ -23,7 +23,8 @@ class MoEConfig:
 
 
 # families whose MoE blocks ds_ulysses_ext.moe replaces (and so can split over ep); other MoE families run HF's
-EP_FAMILIES = ("qwen3_moe", "latent_moe")
+# (gpt_oss: HF's GptOssMLP becomes our block with GPT-OSS's router, biases and clamped SwiGLU, docs/moe.md)
+EP_FAMILIES = ("qwen3_moe", "latent_moe", "gpt_oss")
 
 
 def check_moe(cfg, world_size: int) -> None:
@@ -60,7 +61,8 @@ def check_moe(cfg, world_size: int) -> None:
             "model.arch.output_router_logits=true asks for HF's load-balancing loss, which pools the batch and every "
             "layer and so changes with the cp split; set it false and use moe.balance=aux (moe.aux_loss_coef)")
     act = arch.get("hidden_act", "silu")
-    require(not is_moe or act == "silu",
+    # GPT-OSS's experts compute their own clamped SwiGLU whatever hidden_act says (HF's GptOssExperts never reads it)
+    require(not is_moe or family == "gpt_oss" or act == "silu",
             f"model.arch.hidden_act={act}: our experts compute SwiGLU (silu); use a model with silu experts")
     if moe.dispatcher == "deepep":
         import importlib.util

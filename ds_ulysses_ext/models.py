@@ -8,7 +8,7 @@ these families' attention modules pass, and run exactly there (masks.py); every 
 SUPPORTED is the one list of families: configs/model.py reads it, so `validate` and the model build cannot
 disagree. Adding a family is one `Family(...)` line here; `moe` marks families with expert layers (the config
 layer allows parallelism.ep only for them); `notes`, when given, says how the family runs under CP and is
-logged when CP is enabled on a model of it.
+logged when CP is enabled on a model of it; `hf_attn` is the attention HF builds it with (the engine's build).
 """
 from __future__ import annotations
 
@@ -27,6 +27,9 @@ class Family:
     model_type: str
     moe: bool = False
     notes: str = ""
+    # the attn_implementation HF builds the model with before enable_context_parallel installs ours; GPT-OSS: HF
+    # refuses "sdpa" for it (its sinks have no SDPA path), and eager is only ever the stand-in
+    hf_attn: str = "sdpa"
 
 
 SUPPORTED = {f.model_type: f for f in (
@@ -35,7 +38,8 @@ SUPPORTED = {f.model_type: f for f in (
     Family("qwen3"),
     Family("mistral"),
     Family("qwen3_moe", moe=True),
-    Family("gpt_oss", moe=True, notes="sliding windows and sinks run in the CP attention; experts run as HF's"),
+    Family("gpt_oss", moe=True, hf_attn="eager",
+           notes="sliding windows and sinks run in the CP attention; its MoE runs as our block (experts over ep)"),
     Family("latent_moe", moe=True, notes="ours (ds_ulysses_ext/moe/latent_model.py): experts in a latent space"),
 )}
 

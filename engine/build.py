@@ -51,13 +51,13 @@ def build_hf_model(cfg: TrainConfig, ds_dict: dict, device: torch.device = torch
     m = cfg.model
     torch.manual_seed(cfg.run.seed)  # random init is identical on every rank and every layout
     if m.source == "pretrained":
-        model = AutoModelForCausalLM.from_pretrained(m.path, dtype=model_dtype(cfg), attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_pretrained(m.path, dtype=model_dtype(cfg), attn_implementation=hf_attn(m))
     else:
         hf_config = hf_config_of(m)
         if zero3 or no_init_weights is None:  # zero.Init partitions while HF builds: that path stays HF's own
-            model = AutoModelForCausalLM.from_config(hf_config, dtype=model_dtype(cfg), attn_implementation="sdpa")
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=model_dtype(cfg), attn_implementation=hf_attn(m))
         else:
-            model = _uninitialised_on(device, hf_config, model_dtype(cfg))
+            model = _uninitialised_on(device, hf_config, model_dtype(cfg), hf_attn(m))
         init_random_weights(model, cfg.run.seed, getattr(hf_config, "initializer_range", 0.02))
     # HF's init (run on some paths, skipped on others) draws from the global RNG: leave one state for all
     torch.manual_seed(cfg.run.seed)
@@ -65,7 +65,14 @@ def build_hf_model(cfg: TrainConfig, ds_dict: dict, device: torch.device = torch
     return model.train()
 
 
-def _uninitialised_on(device: torch.device, hf_config, dtype: torch.dtype):
+def hf_attn(model_cfg) -> str:
+    """The attention HF builds the model with; enable_context_parallel replaces it (ds_ulysses_ext/models.py)."""
+    from ds_ulysses_ext.models import SUPPORTED
+    family = SUPPORTED.get(model_cfg.family)
+    return family.hf_attn if family is not None else "sdpa"
+
+
+def _uninitialised_on(device: torch.device, hf_config, dtype: torch.dtype, attn: str = "sdpa"):
     """The model with its parameters on `device`, their values unset: init_random_weights writes every one.
 
     Skipping HF's init saves its CPU time (19 s for the Llama-3.2-1B shape on 2 cores), and empty
@@ -73,7 +80,7 @@ def _uninitialised_on(device: torch.device, hf_config, dtype: torch.dtype):
     and copied, not recomputed on the device, where pow may round differently."""
     from transformers import AutoModelForCausalLM
     with no_init_weights():
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=attn)
     cpu_buffers = dict(model.named_buffers())
     model.to_empty(device=device)
     with torch.no_grad():

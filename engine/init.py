@@ -20,10 +20,12 @@ import torch.distributed as dist
 
 
 def _rule(name: str, shape: torch.Size) -> str:
-    if name.endswith(".bias"):
+    if name.endswith(".bias") or name.endswith("_proj_bias"):  # GPT-OSS's stacked expert biases: zeros, as HF's
         return "zeros"
     if len(shape) == 1 and "norm" in name:
         return "ones"
+    if len(shape) == 1 and name.endswith(".sinks"):  # GPT-OSS's per-head sink logits: normal, as HF's
+        return "normal"
     if len(shape) >= 2:
         return "normal"
     raise ValueError(f"no random-init rule for parameter {name!r} of shape {tuple(shape)}; "

@@ -1,11 +1,24 @@
-"""GroupedExperts: the local experts' SwiGLU FFNs, stored stacked in HF's Qwen3-MoE layout.
+"""GroupedExperts: the local experts' SwiGLU FFNs, stored stacked in HF's layout (Qwen3-MoE's or GPT-OSS's).
 
 Legend: N dispatched token-slots on this rank (grouped by local expert), D expert width (hidden, or the
 latent size in LatentMoE), I expert intermediate size, El local experts (E / ep).
 
-    gate_up_proj [El, 2I, D]  (gate rows first, then up: HF's Qwen3MoeExperts)
+layout="qwen3" (HF's Qwen3MoeExperts; weights act as x @ W^T), activation="swiglu", no biases:
+
+    gate_up_proj [El, 2I, D]  (gate rows first, then up)
     down_proj    [El, D, I]
     y_e = down_e( silu(gate_e x) * up_e x )
+
+layout="gpt_oss" (HF's GptOssExperts; weights act as x @ W), bias=True, activation="gpt_oss":
+
+    gate_up_proj [El, D, 2I]   gate_up_proj_bias [El, 2I]   (gate and up INTERLEAVED: columns 0, 2, 4.. are gate)
+    down_proj    [El, I, D]    down_proj_bias    [El, D]
+    h = x @ gate_up_e + b_e;  gate = min(h[..., ::2], limit);  up = clamp(h[..., 1::2], -limit, limit)
+    y_e = ((up + 1) * gate * sigmoid(alpha * gate)) @ down_e + c_e       (alpha 1.702, limit 7.0 in GPT-OSS)
+
+Both are stored as HF stores them, so a checkpoint loads as is and the export writes HF's layout back; the GPT-OSS
+layout is already mat2 [E, K, N] for torch._grouped_mm (no transpose). The clamp's gradient is zero where it
+clips, as in HF's own forward (the same torch op).
 
 Stacked (one parameter per projection, not one module per expert) so that every local expert's weights are
 used in every forward whatever the routing: ZeRO-3 gathers and reduces the same parameters in the same order on
@@ -13,7 +26,9 @@ every rank, which is what makes routing-dependent execution safe under it (an ex
 still gets a zero gradient, through an empty matmul).
 
 Kernels: `torch._grouped_mm` on CUDA in bf16 (one launch for all experts); a loop of plain matmuls everywhere
-else, which is the reference. Memory (`recompute`):
+else, which is the reference. The grouped path adds each row's expert bias from the rows' expert-major order and
+sums the bias gradient per expert with a segment reduction in fp32 (no scatter-add: HF's bias[expert_ids] gather
+would backprop through bf16 atomics). Memory (`recompute`):
 - "none": autograd keeps every intermediate;
 - "act": the SwiGLU activation (silu(gate) * up) is recomputed in backward instead of kept;
 - "experts": only the dispatched inputs are kept; each group of `group_size` experts runs its whole FFN again in
@@ -27,6 +42,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 RECOMPUTE_MODES = ("none", "act", "experts")
+LAYOUTS = ("qwen3", "gpt_oss")
+ACTIVATIONS = ("swiglu", "gpt_oss")
 
 
 def _swiglu(h_N2I: torch.Tensor) -> torch.Tensor:
@@ -34,22 +51,55 @@ def _swiglu(h_N2I: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def _gpt_oss_glu(h_N2I: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """HF's GptOssExperts._apply_gate: interleaved gate/up, gate clamped above, up clamped both ways, (up + 1)."""
+    gate, up = h_N2I[..., ::2], h_N2I[..., 1::2]
+    gate = gate.clamp(min=None, max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 class GroupedExperts(torch.nn.Module):
     def __init__(self, num_local_experts: int, dim: int, intermediate_size: int, recompute: str = "none",
-                 group_size: int = 1, offload_inputs: bool = False):
+                 group_size: int = 1, offload_inputs: bool = False, *, layout: str = "qwen3", bias: bool = False,
+                 activation: str = "swiglu", alpha: float = 1.702, limit: float = 7.0):
         super().__init__()
-        if recompute not in RECOMPUTE_MODES:
-            raise ValueError(f"moe.recompute={recompute!r} is not one of {RECOMPUTE_MODES}")
+        for what, value, choices in (("moe.recompute", recompute, RECOMPUTE_MODES), ("expert layout", layout, LAYOUTS),
+                                     ("expert activation", activation, ACTIVATIONS)):
+            if value not in choices:
+                raise ValueError(f"{what}={value!r} is not one of {choices}")
         self.num_local_experts, self.dim, self.intermediate_size = num_local_experts, dim, intermediate_size
-        self.gate_up_proj = torch.nn.Parameter(torch.empty(num_local_experts, 2 * intermediate_size, dim))
-        self.down_proj = torch.nn.Parameter(torch.empty(num_local_experts, dim, intermediate_size))
+        self.layout, self.bias, self.activation, self.alpha, self.limit = layout, bias, activation, alpha, limit
+        I2 = 2 * intermediate_size
+        gate_up, down = ((I2, dim), (dim, intermediate_size)) if layout == "qwen3" else ((dim, I2), (intermediate_size, dim))
+        self.gate_up_proj = torch.nn.Parameter(torch.empty(num_local_experts, *gate_up))
+        self.down_proj = torch.nn.Parameter(torch.empty(num_local_experts, *down))
+        if bias:  # the names HF's GptOssExperts uses
+            self.gate_up_proj_bias = torch.nn.Parameter(torch.empty(num_local_experts, I2))
+            self.down_proj_bias = torch.nn.Parameter(torch.empty(num_local_experts, dim))
         self.recompute, self.group_size, self.offload_inputs = recompute, max(1, group_size), offload_inputs
         self.ffn_calls = 0  # expert-group FFN evaluations, forward and recompute alike (tests count recompute)
 
+    @property
+    def options(self) -> dict:
+        """The keyword options that shape this module (MoEBlock.shard builds the local shard with them)."""
+        return dict(layout=self.layout, bias=self.bias, activation=self.activation, alpha=self.alpha, limit=self.limit)
+
+    def weights(self) -> tuple:
+        """Every stacked parameter, in _ffn's order; each is [El, ...], so a slice [a:b] is experts a..b-1."""
+        if self.bias:
+            return self.gate_up_proj, self.down_proj, self.gate_up_proj_bias, self.down_proj_bias
+        return self.gate_up_proj, self.down_proj
+
     def forward(self, x_ND: torch.Tensor, counts: list[int]) -> torch.Tensor:
         if self.recompute == "experts":
-            return _RecomputedExperts.apply(x_ND, self.gate_up_proj, self.down_proj, self, counts)
-        return self._ffn(x_ND, counts, self.gate_up_proj, self.down_proj)
+            return _RecomputedExperts.apply(x_ND, self, counts, *self.weights())
+        return self._ffn(x_ND, counts, *self.weights())
+
+    def _act(self, h_N2I: torch.Tensor) -> torch.Tensor:
+        if self.activation == "gpt_oss":
+            return _gpt_oss_glu(h_N2I, self.alpha, self.limit)
+        return _swiglu(h_N2I)
 
     def groups(self, counts: list[int]):
         """(first expert, last expert + 1, first row, rows) of each recompute group."""
@@ -60,20 +110,51 @@ class GroupedExperts(torch.nn.Module):
             yield first, last, row, n
             row += n
 
-    def _ffn(self, x_ND: torch.Tensor, counts: list[int], gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-        """The experts whose weights are given ([G, 2I, D], [G, D, I]) on their rows of x, grouped in order."""
+    def _ffn(self, x_ND: torch.Tensor, counts: list[int], gate_up: torch.Tensor, down: torch.Tensor,
+             gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None) -> torch.Tensor:
+        """The experts whose weights are given (G experts, in this module's layout) on their rows of x, grouped in
+        order."""
         self.ffn_calls += 1
-        if _grouped_mm_ok(x_ND, gate_up):
-            offs = torch.tensor(counts, device=x_ND.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-            h = torch._grouped_mm(x_ND, gate_up.transpose(-2, -1), offs=offs)
-            a = checkpoint(_swiglu, h, use_reentrant=False) if self.recompute == "act" else _swiglu(h)
-            return torch._grouped_mm(a, down.transpose(-2, -1), offs=offs)
+        act = (lambda h: checkpoint(self._act, h, use_reentrant=False)) if self.recompute == "act" else self._act
+        qwen3 = self.layout == "qwen3"
+        if _grouped_mm_ok(x_ND, gate_up, down):
+            counts_G = torch.tensor(counts, device=x_ND.device, dtype=torch.int64)
+            offs = counts_G.cumsum(0, dtype=torch.int32)
+            # mat2 [G, K, N]: Qwen3's [G, N, K] weights transposed (a view); GPT-OSS's are stored that way
+            h = torch._grouped_mm(x_ND, gate_up.transpose(-2, -1) if qwen3 else gate_up, offs=offs)
+            if gate_up_bias is not None:
+                h = _SegmentBias.apply(h, gate_up_bias, counts_G)
+            y = torch._grouped_mm(act(h), down.transpose(-2, -1) if qwen3 else down, offs=offs)
+            return y if down_bias is None else _SegmentBias.apply(y, down_bias, counts_G)
         outs = []
         for e, rows in enumerate(torch.split(x_ND, counts)):
-            h = F.linear(rows, gate_up[e])
-            a = checkpoint(_swiglu, h, use_reentrant=False) if self.recompute == "act" else _swiglu(h)
-            outs.append(F.linear(a, down[e]))
+            if qwen3:
+                h = F.linear(rows, gate_up[e], None if gate_up_bias is None else gate_up_bias[e])
+                y = F.linear(act(h), down[e], None if down_bias is None else down_bias[e])
+            else:  # x @ W + b, as HF's GptOssExperts writes it
+                h = rows @ gate_up[e]
+                h = h if gate_up_bias is None else h + gate_up_bias[e]
+                y = act(h) @ down[e]
+                y = y if down_bias is None else y + down_bias[e]
+            outs.append(y)
         return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
+class _SegmentBias(torch.autograd.Function):
+    """h [N, F] + the bias [G, F] of each row's expert, the rows grouped by expert (counts [G] on the device).
+
+    The backward sums each expert's rows with one segment reduction in fp32: deterministic, no scatter-add."""
+
+    @staticmethod
+    def forward(ctx, h_NF, bias_GF, counts_G):
+        ctx.save_for_backward(counts_G)
+        return h_NF + bias_GF.repeat_interleave(counts_G, dim=0, output_size=h_NF.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_NF):
+        counts_G, = ctx.saved_tensors
+        grad_bias = torch.segment_reduce(grad_NF.float(), "sum", lengths=counts_G, axis=0, unsafe=True)
+        return grad_NF, grad_bias.to(grad_NF.dtype), None
 
 
 class _RecomputedExperts(torch.autograd.Function):
@@ -85,47 +166,47 @@ class _RecomputedExperts(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x_ND, gate_up, down, module: "GroupedExperts", counts: list[int]):
+    def forward(ctx, x_ND, module: "GroupedExperts", counts: list[int], *weights):
+        # weights: module.weights(), every one stacked over the local experts (biases too), sliced per group
         with torch.no_grad():
-            outs = [module._ffn(x_ND[r:r + n], counts[a:b], gate_up[a:b], down[a:b])
+            outs = [module._ffn(x_ND[r:r + n], counts[a:b], *(w[a:b] for w in weights))
                     for a, b, r, n in module.groups(counts)]
-        ctx.module, ctx.counts, ctx.device = module, counts, x_ND.device
+        ctx.module, ctx.counts, ctx.device, ctx.num_weights = module, counts, x_ND.device, len(weights)
         ctx.offloaded = module.offload_inputs
         if ctx.offloaded:  # the dispatched rows are all the experts keep: they wait for backward in host memory
             host = torch.empty(x_ND.shape, dtype=x_ND.dtype, device="cpu", pin_memory=x_ND.is_cuda)
             host.copy_(x_ND, non_blocking=True)
-            ctx.save_for_backward(gate_up, down)
+            ctx.save_for_backward(*weights)
             ctx.host = host
         else:
-            ctx.save_for_backward(gate_up, down, x_ND)
+            ctx.save_for_backward(*weights, x_ND)
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     @staticmethod
     def backward(ctx, grad_ND):
-        if ctx.offloaded:
-            gate_up, down = ctx.saved_tensors
-            x_ND = ctx.host.to(ctx.device, non_blocking=True)
-        else:
-            gate_up, down, x_ND = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        weights = saved[:ctx.num_weights]
+        x_ND = ctx.host.to(ctx.device, non_blocking=True) if ctx.offloaded else saved[ctx.num_weights]
         module, counts = ctx.module, ctx.counts
         grad_x = torch.empty_like(x_ND)
-        grad_gate_up, grad_down = torch.zeros_like(gate_up), torch.zeros_like(down)
+        grad_weights = [torch.zeros_like(w) for w in weights]
         for a, b, r, n in module.groups(counts):
             with torch.enable_grad():
                 x = x_ND[r:r + n].detach().requires_grad_()
-                w1 = gate_up[a:b].detach().requires_grad_()
-                w2 = down[a:b].detach().requires_grad_()
-                y = module._ffn(x, counts[a:b], w1, w2)
-                gx, g1, g2 = torch.autograd.grad(y, (x, w1, w2), grad_ND[r:r + n], allow_unused=True)
+                ws = [w[a:b].detach().requires_grad_() for w in weights]
+                y = module._ffn(x, counts[a:b], *ws)
+                gx, *gws = torch.autograd.grad(y, (x, *ws), grad_ND[r:r + n], allow_unused=True)
             grad_x[r:r + n] = gx if gx is not None else 0
-            if g1 is not None:
-                grad_gate_up[a:b] = g1
-                grad_down[a:b] = g2
-        return grad_x, grad_gate_up, grad_down, None, None
+            for full, g in zip(grad_weights, gws):
+                if g is not None:
+                    full[a:b] = g
+        return (grad_x, None, None, *grad_weights)
 
 
-def _grouped_mm_ok(x_ND: torch.Tensor, weight: torch.Tensor) -> bool:
-    # torch._grouped_mm: CUDA (SM90 for bf16), 16-byte aligned rows; the loop is the exact fallback elsewhere
-    return (x_ND.is_cuda and x_ND.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
-            and hasattr(torch, "_grouped_mm") and x_ND.shape[-1] % 8 == 0 and weight.shape[-2] % 8 == 0
+def _grouped_mm_ok(x_ND: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    # torch._grouped_mm: CUDA (SM90 for bf16), 16-byte aligned rows (every matrix dim a multiple of 8 in bf16);
+    # the loop is the exact fallback elsewhere
+    return (x_ND.is_cuda and x_ND.dtype == torch.bfloat16 and gate_up.dtype == torch.bfloat16
+            and down.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and x_ND.shape[-1] % 8 == 0
+            and all(d % 8 == 0 for w in (gate_up, down) for d in w.shape[-2:])
             and torch.cuda.get_device_capability(x_ND.device)[0] >= 9)

@@ -9,6 +9,11 @@ Legend: B batch, s local sequence (a CP chunk), H hidden, L latent size (LatentM
 Parameter names follow HF's Qwen3-MoE (`gate.weight`, `experts.gate_up_proj`, `experts.down_proj`), so an HF
 checkpoint's state dict loads as is and the export writes HF's layout. LatentMoE's projections follow
 Megatron-Core's names (`fc1_latent_proj`, `fc2_latent_proj`); its shared expert is `shared_experts`.
+GPT-OSS's block (`MoESpec.gpt_oss`, options of the same block) keeps HF's GptOssMLP names and layout:
+`router.weight [E, H]`, `router.bias [E]`, `experts.gate_up_proj [E, H, 2I]` (+ `_bias [E, 2I]`),
+`experts.down_proj [E, I, H]` (+ `_bias [E, H]`); its router takes the top-k of the logits and a softmax over
+the k (router.py), its experts the clamped, alpha-scaled, interleaved SwiGLU (experts.py), and the block returns
+(out, None) because HF's GptOssDecoderLayer unpacks (out, router_scores) and drops the scores.
 
 The block holds E / ep experts after `shard(ep_rank, ep)`. What it needs at run time (the EP dispatcher, the CP
 group for the balance statistics, the token mask of the current batch, the collector) is one `MoEContext`
@@ -39,10 +44,33 @@ class MoESpec:
     latent_size: int = 0  # 0: experts work on the hidden state
     shared_intermediate_size: int = 0  # 0: no shared expert
     expert_bias: bool = False  # aux-loss-free balancing buffer
+    # GPT-OSS's options (MoESpec.gpt_oss sets them all; the defaults are Qwen3-MoE's block)
+    router_bias: bool = False  # a learned bias [E] on the router logits
+    ffn_bias: bool = False  # expert biases gate_up_proj_bias [E, 2I], down_proj_bias [E, D]
+    activation: str = "swiglu"  # swiglu | gpt_oss (clamped at swiglu_limit, alpha-scaled, gate/up interleaved)
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    weight_layout: str = "qwen3"  # qwen3: gate_up [E, 2I, D] (x @ W^T) | gpt_oss: gate_up [E, D, 2I] (x @ W)
+    router_name: str = "gate"  # the router's attribute and state-dict prefix: HF's Qwen3 `gate`, GPT-OSS `router`
+    tuple_output: bool = False  # return (out, None): the decoder layer unpacks (out, router_scores)
+
+    def __post_init__(self):
+        if self.router_name not in ("gate", "router"):
+            raise ValueError(f"router_name={self.router_name!r} is not one of ('gate', 'router')")
 
     @property
     def expert_dim(self) -> int:
         return self.latent_size or self.hidden_size
+
+    @classmethod
+    def gpt_oss(cls, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
+                swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0, expert_bias: bool = False) -> "MoESpec":
+        """HF's GptOssMLP: top-k of the biased logits then a softmax over the k, biased experts with GPT-OSS's
+        SwiGLU, HF's names and x @ W layout, the (out, router_scores) tuple its decoder layer expects."""
+        return cls(hidden_size, num_experts, top_k, intermediate_size, score="topk_softmax", norm_topk_prob=False,
+                   expert_bias=expert_bias, router_bias=True, ffn_bias=True, activation="gpt_oss",
+                   swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, weight_layout="gpt_oss",
+                   router_name="router", tuple_output=True)
 
 
 class SwiGLU(torch.nn.Module):
@@ -108,8 +136,8 @@ class MoEContext:
         if self.balance == "bias":
             by_layer = dict(zip(layers, counts_LE))
             for block in blocks:
-                update_expert_bias(block.gate.expert_bias, by_layer[block.layer_id].to(block.gate.expert_bias.device),
-                                   bias_update_rate)
+                bias = block.topk_router.expert_bias
+                update_expert_bias(bias, by_layer[block.layer_id].to(bias.device), bias_update_rate)
         return {"moe_imbalance": imbalance(counts_LE)}
 
 
@@ -118,9 +146,11 @@ class MoEBlock(torch.nn.Module):
         super().__init__()
         self.spec, self.layer_id = spec, layer_id
         self.ep_rank, self.ep_size = 0, 1
-        self.gate = TopKRouter(spec.hidden_size, spec.num_experts, spec.top_k, spec.score, spec.norm_topk_prob,
-                               spec.expert_bias)
-        self.experts = GroupedExperts(spec.num_experts, spec.expert_dim, spec.intermediate_size)
+        setattr(self, spec.router_name, TopKRouter(spec.hidden_size, spec.num_experts, spec.top_k, spec.score,
+                                                   spec.norm_topk_prob, spec.expert_bias, bias=spec.router_bias))
+        self.experts = GroupedExperts(spec.num_experts, spec.expert_dim, spec.intermediate_size,
+                                      layout=spec.weight_layout, bias=spec.ffn_bias, activation=spec.activation,
+                                      alpha=spec.swiglu_alpha, limit=spec.swiglu_limit)
         if spec.latent_size:
             self.fc1_latent_proj = torch.nn.Linear(spec.hidden_size, spec.latent_size, bias=False)
             self.fc2_latent_proj = torch.nn.Linear(spec.latent_size, spec.hidden_size, bias=False)
@@ -132,10 +162,15 @@ class MoEBlock(torch.nn.Module):
     def context(self) -> Optional[MoEContext]:
         return self._ctx[0]
 
-    def forward(self, hidden_BsH: torch.Tensor) -> torch.Tensor:
+    @property
+    def topk_router(self) -> TopKRouter:
+        """The router, whatever HF calls it (`gate` in Qwen3-MoE, `router` in GPT-OSS)."""
+        return getattr(self, self.spec.router_name)
+
+    def forward(self, hidden_BsH: torch.Tensor):
         B, s, H = hidden_BsH.shape
         x_TH = hidden_BsH.reshape(B * s, H)
-        weights_Tk, experts_Tk, probs_TE = self.gate(x_TH)
+        weights_Tk, experts_Tk, probs_TE = self.topk_router(x_TH)
         ctx = self.context
         if ctx is None:
             from .dispatch import AllToAllDispatcher  # the single-process reference: every expert is local
@@ -155,7 +190,9 @@ class MoEBlock(torch.nn.Module):
         out_TH = self.fc2_latent_proj(out_TD) if self.spec.latent_size else out_TD
         if self.spec.shared_intermediate_size:
             out_TH = out_TH + self.shared_experts(x_TH)
-        return out_TH.reshape(B, s, H)
+        out_BsH = out_TH.reshape(B, s, H)
+        # GPT-OSS: HF's decoder layer does `hidden, _ = self.mlp(hidden)`; nothing reads the router scores
+        return (out_BsH, None) if self.spec.tuple_output else out_BsH
 
     def _balance(self, ctx: MoEContext, experts_Tk, probs_TE, B: int, s: int) -> None:
         mask = ctx.token_mask_Bs
@@ -174,11 +211,12 @@ class MoEBlock(torch.nn.Module):
             raise ValueError(f"{E} experts do not split over ep={ep_size}")
         El = E // ep_size
         old = self.experts
-        new = GroupedExperts(El, old.dim, old.intermediate_size, old.recompute, old.group_size, old.offload_inputs)
+        new = GroupedExperts(El, old.dim, old.intermediate_size, old.recompute, old.group_size, old.offload_inputs,
+                             **old.options)
         new.to(device=old.gate_up_proj.device, dtype=old.gate_up_proj.dtype)
         lo = ep_rank * El
-        new.gate_up_proj.copy_(old.gate_up_proj[lo:lo + El])
-        new.down_proj.copy_(old.down_proj[lo:lo + El])
+        for name, param in new.named_parameters():  # weights and (GPT-OSS) biases go with their experts
+            param.copy_(getattr(old, name)[lo:lo + El])
         self.experts, self.ep_rank, self.ep_size = new, ep_rank, ep_size
 
 

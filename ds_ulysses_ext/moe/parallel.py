@@ -1,7 +1,8 @@
 """enable_expert_parallel(model, topology, settings): put our MoE block into an HF MoE model and split its experts.
 
-- HF Qwen3-MoE sparse blocks are replaced by `MoEBlock`s holding the same weights (HF's parameter names, so a
-  checkpoint loads as is); LatentMoE models (latent_model.py) are built with `MoEBlock`s already.
+- HF Qwen3-MoE sparse blocks and GPT-OSS MLPs are replaced by `MoEBlock`s holding the same weights (HF's
+  parameter names and layouts, so a checkpoint loads as is); LatentMoE models (latent_model.py) are built with
+  `MoEBlock`s already.
 - Each block keeps experts [ep_rank * E/ep, (ep_rank + 1) * E/ep) of its EP group and gets the model's one
   `MoEContext` (dispatcher over the EP group, the CP group for the balance statistics).
 - Under ZeRO-3 the expert parameters are marked for DeepSpeed as expert-parallel (engine/ds_patches.py says how)
@@ -49,16 +50,22 @@ class MoESettings:
 
 
 def hf_moe_spec(config, expert_bias: bool = False) -> MoESpec:
-    """The MoE block shape of an HF Qwen3-MoE-style config (LatentMoE's adds latent_size and a shared expert)."""
-    act = getattr(config, "hidden_act", "silu")
-    if act != "silu":
-        raise UnsupportedError(f"MoE experts with hidden_act={act!r}: our experts compute SwiGLU (silu); "
-                               "use a model whose experts are SwiGLU")
+    """The MoE block shape of an HF Qwen3-MoE-style config (LatentMoE's adds latent_size and a shared expert), or
+    of a GPT-OSS config (num_local_experts, intermediate_size per expert, swiglu_alpha / swiglu_limit). HF's
+    router_aux_loss_coef is not read: our per-sequence balance loss (moe.aux_loss_coef) replaces HF's pooled one."""
     if getattr(config, "output_router_logits", False):
         raise UnsupportedError(
             "output_router_logits=true asks for HF's load-balancing loss, which pools the whole batch and every "
             "layer and so changes with the cp split; our per-sequence loss replaces it: set "
             "output_router_logits=false and use moe.balance=aux (moe.aux_loss_coef)")
+    if getattr(config, "model_type", None) == "gpt_oss":  # its experts' activation is fixed; hidden_act is unread
+        return MoESpec.gpt_oss(config.hidden_size, config.num_local_experts, config.num_experts_per_tok,
+                               config.intermediate_size, swiglu_alpha=float(config.swiglu_alpha),
+                               swiglu_limit=float(config.swiglu_limit), expert_bias=expert_bias)
+    act = getattr(config, "hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedError(f"MoE experts with hidden_act={act!r}: our experts compute SwiGLU (silu); "
+                               "use a model whose experts are SwiGLU")
     return MoESpec(hidden_size=config.hidden_size, num_experts=config.num_experts,
                    top_k=config.num_experts_per_tok, intermediate_size=config.moe_intermediate_size,
                    score=getattr(config, "router_score", "softmax"),
@@ -75,15 +82,28 @@ def _gathered(params):
     return contextlib.nullcontext()
 
 
-def replace_hf_blocks(model, expert_bias: bool = False) -> int:
-    """Swap every HF Qwen3-MoE sparse block for a MoEBlock with the same weights; returns how many."""
+def _hf_moe_classes() -> tuple:
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts, GptOssMLP
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+    return (Qwen3MoeSparseMoeBlock, GptOssMLP), GptOssExperts
+
+
+def replace_hf_blocks(model, expert_bias: bool = False) -> int:
+    """Swap every HF Qwen3-MoE sparse block and GPT-OSS MLP for a MoEBlock with the same weights; returns how many."""
+    blocks, gpt_oss_experts = _hf_moe_classes()
     layers = model.get_decoder().layers
     replaced = 0
     for layer_id, layer in enumerate(layers):
         old = getattr(layer, "mlp", None)
-        if not isinstance(old, Qwen3MoeSparseMoeBlock):
+        if not isinstance(old, blocks):
             continue
+        experts = getattr(old, "experts", None)
+        if hasattr(old, "router") and type(experts) is not gpt_oss_experts:
+            # e.g. transformers' Mxfp4GptOssExperts (gate_up_proj_blocks/_scales): not the bf16/fp32 weights we hold
+            raise UnsupportedError(
+                f"layer {layer_id}: GPT-OSS experts of type {type(experts).__name__} (a quantized checkpoint kept "
+                "quantized); load it dequantized, e.g. from_pretrained(..., quantization_config="
+                "Mxfp4Config(dequantize=True)), or save a dequantized copy and set model.path to it")
         spec = hf_moe_spec(model.config, expert_bias)
         old_params = list(old.parameters())
         dtype, device = old_params[0].dtype, old_params[0].device
@@ -91,7 +111,7 @@ def replace_hf_blocks(model, expert_bias: bool = False) -> int:
         with _gathered(old_params), torch.no_grad():
             new.to(device=_real_device(old_params[0], device), dtype=dtype)
             missing, unexpected = new.load_state_dict(old.state_dict(), strict=False)
-        if unexpected or [k for k in missing if k != "gate.expert_bias"]:
+        if unexpected or [k for k in missing if k != f"{spec.router_name}.expert_bias"]:
             raise RuntimeError(f"layer {layer_id}: HF MoE weights did not map onto ours: missing {missing}, "
                                f"unexpected {unexpected}")
         layer.mlp = new
@@ -113,8 +133,8 @@ def enable_expert_parallel(model, topology: Topology, settings: MoESettings = Mo
         raise UnsupportedError(f"{type(model).__name__} has no MoE block we know how to split; "
                                "set parallelism.ep=1 for a dense model")
     for block in blocks:
-        if settings.balance == "bias" and block.gate.expert_bias is None:
-            block.gate.add_expert_bias()
+        if settings.balance == "bias" and block.topk_router.expert_bias is None:
+            block.topk_router.add_expert_bias()
     ctx = MoEContext(dispatcher=_dispatcher(settings, blocks[0].spec.num_experts, topology),
                      cp_group=topology.cp_group, balance=settings.balance)
     for block in blocks:
