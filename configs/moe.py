@@ -70,5 +70,38 @@ def check_moe(cfg, world_size: int) -> None:
                 "moe.dispatcher=deepep needs the optional deep_ep package (DeepEP's 1.x line built from its "
                 "repository; the PyPI sdist does not build, docs/moe.md); use moe.dispatcher=alltoall or auto")
         require(cfg.device != "cpu", "moe.dispatcher=deepep needs CUDA; use moe.dispatcher=alltoall on CPU")
-        require(ep in (2, 4, 8), f"moe.dispatcher=deepep with parallelism.ep={ep}: DeepEP's normal mode runs on 2, 4 "
-                "or 8 ranks of one node; use moe.dispatcher=alltoall or auto")
+        require(ep in (1, 2, 4, 8), f"moe.dispatcher=deepep with parallelism.ep={ep}: DeepEP's normal mode runs on "
+                "2, 4 or 8 ranks of one node, its low-latency mode here at ep=1; use moe.dispatcher=alltoall or auto")
+        if ep == 1:
+            _check_low_latency(cfg, require)
+
+
+def deepep_tokens_per_rank(cfg) -> int:
+    """The most tokens one MoE call sees on a rank: the micro-batch's rows x the local sequence (padded to a
+    multiple of 2 cp, the zigzag layout's; never less than Ulysses' multiple of cp), rounded up to DeepEP's 4."""
+    cp = cfg.parallelism.cp
+    local = -(-cfg.data.seq_len // (2 * cp)) * 2
+    tokens = cfg.trainer.micro_batch_size * local
+    return -(-tokens // 4) * 4
+
+
+def _check_low_latency(cfg, require) -> None:
+    # DeepEP's low-latency buffer is sized for decoding batches: refuse here what its kernels cannot take, with the
+    # fix, rather than at the first MoE call (ds_ulysses_ext/moe/deepep.py holds the limits)
+    from ds_ulysses_ext.errors import UnsupportedError
+    from ds_ulysses_ext.moe.deepep import _ll_max_tokens_per_rank, check_low_latency
+    import torch
+    arch = cfg.model.arch
+    dim = int(arch.get("latent_size", 0) or 0) or int(arch.get("hidden_size", 0) or 0)
+    experts = next((int(arch[k]) for k in ("num_experts", "num_local_experts") if arch.get(k)), 0)
+    top_k = int(arch.get("num_experts_per_tok", 1) or 1)
+    require(cfg.precision == "bf16", f"moe.dispatcher=deepep at ep=1 (DeepEP's low-latency mode) moves bf16 tokens "
+            f"only; set precision=bf16 or use moe.dispatcher=alltoall (got precision={cfg.precision})")
+    tokens = deepep_tokens_per_rank(cfg)
+    try:
+        # the expert width and top-k are checked here when the preset names them, else when the model is built
+        buffer = min(tokens, _ll_max_tokens_per_rank() // 4 * 4)
+        check_low_latency(tokens, dim or 2048, top_k, experts or 4, 1, buffer, torch.bfloat16)
+    except UnsupportedError as err:
+        require(False, f"moe.dispatcher=deepep at ep=1 (DeepEP's low-latency mode), {tokens} tokens per rank "
+                f"(trainer.micro_batch_size x data.seq_len / parallelism.cp): {err}")

@@ -11,6 +11,7 @@ import logging
 import torch
 
 from configs import Plan, TrainConfig
+from configs.moe import deepep_tokens_per_rank
 from ds_ulysses_ext import CPCausalLM, Topology, enable_context_parallel
 from ds_ulysses_ext.memory import ProbeResult, apply_memory_policies
 from ds_ulysses_ext.moe import moe_blocks
@@ -142,7 +143,8 @@ def moe_settings(cfg: TrainConfig) -> MoESettings:
     m = cfg.moe
     return MoESettings(dispatcher=m.dispatcher, balance=m.balance, aux_loss_coef=m.aux_loss_coef,
                        bias_update_rate=m.bias_update_rate, recompute=m.recompute,
-                       recompute_group_size=m.recompute_group_size, offload_inputs=m.offload_inputs)
+                       recompute_group_size=m.recompute_group_size, offload_inputs=m.offload_inputs,
+                       max_tokens_per_rank=deepep_tokens_per_rank(cfg) if m.dispatcher == "deepep" else 0)
 
 
 def _apply_memory(hf, cfg: TrainConfig):

@@ -38,6 +38,9 @@ class MoESettings:
     recompute: str = "none"  # none | act | experts (experts.py)
     recompute_group_size: int = 1
     offload_inputs: bool = False
+    # dispatcher=deepep at ep=1 (DeepEP's low-latency mode): its buffer's tokens per rank, i.e. the most tokens one
+    # MoE call sees on a rank (micro-batch x local sequence); a multiple of 4, at most 511 by default (deepep.py)
+    max_tokens_per_rank: int = 0
 
     def check(self) -> None:
         for name, value, choices in (("dispatcher", self.dispatcher, DISPATCHERS),
@@ -135,7 +138,8 @@ def enable_expert_parallel(model, topology: Topology, settings: MoESettings = Mo
     for block in blocks:
         if settings.balance == "bias" and block.topk_router.expert_bias is None:
             block.topk_router.add_expert_bias()
-    ctx = MoEContext(dispatcher=_dispatcher(settings, blocks[0].spec.num_experts, topology),
+    ctx = MoEContext(dispatcher=_dispatcher(settings, blocks[0].spec.num_experts, topology,
+                                             dim=blocks[0].spec.expert_dim),
                      cp_group=topology.cp_group, balance=settings.balance)
     for block in blocks:
         with _gathered(list(block.experts.parameters())):
@@ -149,9 +153,26 @@ def enable_expert_parallel(model, topology: Topology, settings: MoESettings = Mo
     return ctx
 
 
-def _dispatcher(settings: MoESettings, num_experts: int, topology: Topology):
-    """`auto` is the all-to-all until the DeepEP path has been checked against it on several GPUs (docs/moe.md):
-    an unverified dispatcher must not be picked silently. An explicit `deepep` runs it, with a warning."""
+def _dispatcher(settings: MoESettings, num_experts: int, topology: Topology, dim: int = 0):
+    """`auto` is the torch all-to-all: at ep=1 it is a local permute, which measured faster than DeepEP's
+    low-latency round trip (docs/benchmarks.md, section L), and at ep > 1 DeepEP's normal mode has not been checked
+    against it on several GPUs (docs/moe.md), and an unchecked dispatcher must not be picked silently.
+    An explicit `deepep` runs DeepEP: at ep=1 its low-latency mode (checked bitwise against the all-to-all on an
+    H200; for micro-batches of at most a few hundred tokens per rank), at ep = 2/4/8 its normal mode, with a warning."""
+    if settings.dispatcher == "deepep" and topology.ep_size == 1:
+        from .deepep import DeepEPLowLatencyDispatcher, deepep_ll_unavailable_reason
+        reason = deepep_ll_unavailable_reason()
+        if reason is not None:
+            raise UnsupportedError(f"moe.dispatcher=deepep: {reason}; use moe.dispatcher=alltoall")
+        if not settings.max_tokens_per_rank:
+            raise UnsupportedError("moe.dispatcher=deepep at ep=1 runs DeepEP's low-latency mode, whose buffer is "
+                                   "sized up front: set MoESettings.max_tokens_per_rank (the engine sets it from "
+                                   "the micro-batch), or use moe.dispatcher=alltoall")
+        if topology.rank == 0:
+            log.info("MoE dispatcher: DeepEP low-latency mode at ep=1, buffer of %d tokens per rank",
+                     settings.max_tokens_per_rank)
+        return DeepEPLowLatencyDispatcher(num_experts, dim, topology.ep_group,
+                                          max_tokens_per_rank=settings.max_tokens_per_rank)
     if settings.dispatcher == "deepep":
         from .deepep import DeepEPDispatcher, deepep_unavailable_reason
         reason = deepep_unavailable_reason(topology.ep_size)
@@ -164,7 +185,7 @@ def _dispatcher(settings: MoESettings, num_experts: int, topology: Topology):
         return DeepEPDispatcher(num_experts, topology.ep_group)
     if topology.rank == 0:
         log.info("MoE dispatcher: torch all-to-all over ep=%d%s", topology.ep_size,
-                 " (moe.dispatcher=auto; DeepEP is used only when asked for, until it is verified)"
+                 " (moe.dispatcher=auto: DeepEP runs only when asked for, docs/moe.md)"
                  if settings.dispatcher == "auto" else "")
     return AllToAllDispatcher(num_experts, topology.ep_group if topology.ep_size > 1 else None)
 
