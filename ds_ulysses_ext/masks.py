@@ -15,6 +15,11 @@ head to the softmax (learned, value-free): p = softmax([q.k * scale ..., sink]) 
 The torch path walks query blocks so that the boolean mask (and, with sinks, the logits) exist for one block
 at a time, and each block's key span starts at its earliest visible key (the window's reach, its first
 document's start), so a window or short documents make it cheaper, not just masked.
+
+Packed documents without a window or sinks take a faster road: a document of at least one query block gets
+its own unmasked SDPA call (is_causal), which on Hopper is cuDNN's fused kernel, and runs of shorter documents
+go through the masked block walk together. A masked SDPA call costs several times an unmasked one per visible
+pair (docs/benchmarks.md, packing), and this is what makes packing faster than padding on the torch path.
 """
 from __future__ import annotations
 
@@ -90,10 +95,47 @@ def masked_attention(q_BShD: torch.Tensor, k_BShD: torch.Tensor, v_BShD: torch.T
     sinks: [h], one logit per query head of THIS tensor (a CP rank passes its heads' slice).
     """
     B, S, h, D = q_BShD.shape
-    hkv = k_BShD.shape[2]
     if window is not None and not causal:
         raise ValueError("a sliding window is defined for causal attention only")
     scale = D ** -0.5 if softmax_scale is None else softmax_scale
+    if cu_seqlens is not None and window is None and sinks is None:
+        return _per_document(q_BShD, k_BShD, v_BShD, causal, scale, cu_seqlens, block)
+    return _blocked(q_BShD, k_BShD, v_BShD, causal, scale, cu_seqlens, window, sinks, block)
+
+
+def _per_document(q_BShD, k_BShD, v_BShD, causal, scale, cu_seqlens, block):
+    """Documents of >= `block` tokens: one unmasked SDPA call each; the runs of shorter ones between them: the
+    masked block walk over just that run. Documents never cross rows, so the flat [B*S] token axis holds them
+    in order, and the pieces' outputs concatenate back into it."""
+    B, S, h, D = q_BShD.shape
+    hkv = k_BShD.shape[2]
+    q, k, v = (t.reshape(B * S, t.shape[2], D) for t in (q_BShD, k_BShD, v_BShD))  # [B*S h D], views
+    bounds = cu_seqlens.tolist()  # one host copy per call
+    pieces, run = [], None  # run: [first, last] token of the pending short documents
+
+    def flush():
+        if run is not None:
+            a, b = run
+            local = torch.tensor([x - a for x in bounds if a <= x <= b], dtype=torch.int32, device=q.device)
+            pieces.append(_blocked(q[None, a:b], k[None, a:b], v[None, a:b], causal, scale, local, None, None,
+                                   block)[0])
+
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        if b - a >= block:
+            flush()
+            run = None
+            qd, kd, vd = (t[a:b].transpose(0, 1)[None] for t in (q, k, v))  # [1 h L D]
+            out = F.scaled_dot_product_attention(qd, kd, vd, is_causal=causal, scale=scale, enable_gqa=h != hkv)
+            pieces.append(out[0].transpose(0, 1))
+        else:
+            run = [a, b] if run is None else [run[0], b]
+    flush()
+    return torch.cat(pieces, dim=0).reshape(B, S, h, D)
+
+
+def _blocked(q_BShD, k_BShD, v_BShD, causal, scale, cu_seqlens, window, sinks, block):
+    B, S, h, D = q_BShD.shape
+    hkv = k_BShD.shape[2]
     q, k, v = (t.transpose(1, 2) for t in (q_BShD, k_BShD, v_BShD))  # [B h S D]
     if sinks is not None and hkv != h:
         # the explicit path multiplies per head; SDPA's enable_gqa covers the other path

@@ -116,3 +116,38 @@ def test_one_document_per_row_adds_no_boundaries():
     out = shard_batch({"input_ids": torch.ones(2, 6, dtype=torch.long), "position_ids": torch.arange(6)[None]},
                       Topology(2, 0, 2, 1))
     assert set(out) == {"input_ids", "labels", "position_ids"}
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_long_documents_take_their_own_unmasked_call_and_stay_exact(causal, monkeypatch):
+    # block=4: the documents of 4, 5 and 7 tokens get one unmasked SDPA call each, the 3-token ones go through the
+    # masked block walk (alone, or as a run); the reference is every document's attention written out on its own
+    from ds_ulysses_ext import masks
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 13, h, 8, dtype=torch.float64, generator=g).requires_grad_() for h in (4, 2, 2))
+    pos = packed_batch()["position_ids"]
+    cu = cu_seqlens_of(pos)
+    unmasked = []
+    real_sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(masks.F, "scaled_dot_product_attention",
+                        lambda *a, **kw: (unmasked.append(a[0].shape[2]) if kw.get("attn_mask") is None else None)
+                        or real_sdpa(*a, **kw))
+    out = masks.masked_attention(q, k, v, causal=causal, cu_seqlens=cu, block=4)
+    assert sorted(unmasked) == [4, 4, 5, 7]
+    grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    ref = torch.zeros_like(out)
+    for row, lengths in enumerate(DOCS):
+        start = 0
+        for n in lengths:
+            sl = slice(start, start + n)
+            qd, kd, vd = q[row, sl].transpose(0, 1), k[row, sl].transpose(0, 1), v[row, sl].transpose(0, 1)
+            kd, vd = kd.repeat_interleave(2, 0), vd.repeat_interleave(2, 0)  # 4 query heads over 2 KV heads
+            logits = qd @ kd.transpose(-1, -2) * 8 ** -0.5
+            if causal:
+                logits = logits.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+            ref[row, sl] = (logits.softmax(-1) @ vd).transpose(0, 1)
+            start += n
+    ref_grads = torch.autograd.grad(ref, (q, k, v), torch.ones_like(ref))
+    assert rel(out, ref) < 1e-12
+    for got, want in zip(grads, ref_grads):
+        assert rel(got, want) < 1e-12
