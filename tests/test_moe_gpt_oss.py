@@ -182,38 +182,48 @@ def _sm90() -> bool:
 @pytest.mark.skipif(not _sm90(), reason="torch._grouped_mm in bf16 needs a CUDA SM90 GPU")
 @pytest.mark.parametrize("recompute", ["none", "act", "experts"])
 @pytest.mark.parametrize("layout", ["gpt_oss", "qwen3"])
-def test_grouped_mm_path_in_bf16_matches_the_fp32_loop(layout, recompute):
+def test_grouped_mm_path_in_bf16_matches_the_loop(layout, recompute):
     """The CUDA bf16 path (torch._grouped_mm, the bias added per expert segment, its gradient a segment sum) against
-    the fp32 loop on the same weights and rows, empty experts included (norm-relative 1e-2: bf16 rounding)."""
+    the bf16 loop on the same weights and rows, empty experts included, and its output against the fp32 loop.
+
+    Why not every gradient against fp32: the clamp's derivative jumps at the limit, and bf16 rounding moves the
+    pre-activations near it across (measured: 5.6% norm error of the input gradient against fp32 at h std 8). The
+    grouped and the loop bf16 paths round the same inputs and weights, so they agree far closer."""
+    import ds_ulysses_ext.moe.experts as experts_module
     from ds_ulysses_ext.moe import GroupedExperts
     opts = dict(layout="gpt_oss", bias=True, activation="gpt_oss") if layout == "gpt_oss" else {}
     D, I_, El, counts = 64, 32, 8, [37, 0, 81, 5, 64, 0, 100, 13]
-    ref = GroupedExperts(El, D, I_, **opts).cuda()
     g = torch.Generator().manual_seed(4)
-    with torch.no_grad():
-        for p in ref.parameters():  # x @ W has std ~8 on unit rows: the GPT-OSS clamp at 7 clips
-            p.copy_(torch.randn(p.shape, generator=g))
-    fast = GroupedExperts(El, D, I_, recompute, 3, **opts).cuda().to(torch.bfloat16)
-    fast.load_state_dict(ref.state_dict())
+    weights = {n: torch.randn(p.shape, generator=g) for n, p in GroupedExperts(El, D, I_, **opts).named_parameters()}
     x = torch.randn(sum(counts), D, generator=g).cuda()
     dy = torch.randn(sum(counts), D, generator=g).cuda()
-    calls, real = [], torch._grouped_mm
-    torch._grouped_mm = lambda *a, **k: calls.append(1) or real(*a, **k)
-    try:
-        xr, xf = x.clone().requires_grad_(), x.to(torch.bfloat16).requires_grad_()
-        yr, yf = ref(xr, counts), fast(xf, counts)
-        (yr * dy).sum().backward()
-        (yf.float() * dy).sum().backward()
-    finally:
-        torch._grouped_mm = real
-    assert calls, "the bf16 CUDA path must run torch._grouped_mm"
+
+    def run(dtype, grouped):  # x @ W has std ~8 on unit rows: the GPT-OSS clamp at 7 clips
+        m = GroupedExperts(El, D, I_, recompute if dtype == torch.bfloat16 else "none", 3, **opts)
+        m.load_state_dict(weights)
+        m = m.cuda().to(dtype)
+        xi = x.to(dtype).requires_grad_()
+        calls, real, ok = [], torch._grouped_mm, experts_module._grouped_mm_ok
+        torch._grouped_mm = lambda *a, **k: calls.append(1) or real(*a, **k)
+        experts_module._grouped_mm_ok = ok if grouped else (lambda *a: False)
+        try:
+            y = m(xi, counts)
+            (y.float() * dy).sum().backward()
+        finally:
+            torch._grouped_mm, experts_module._grouped_mm_ok = real, ok
+        assert bool(calls) == grouped
+        return [y.float(), xi.grad.float()] + [p.grad.float() for p in m.parameters()], m
 
     def nrel(a, b):
-        return ((a.float() - b).norm() / b.norm()).item()
-    assert nrel(yf, yr) < 1e-2 and nrel(xf.grad, xr.grad) < 1e-2
-    for name, p in fast.named_parameters():
-        assert nrel(p.grad, dict(ref.named_parameters())[name].grad) < 1e-2, name
-    assert fast.down_proj.grad[[1, 5]].abs().sum() == 0  # empty experts: zero gradient
+        return ((a - b).norm() / b.norm()).item()
+    ref, _ = run(torch.float32, False)
+    loop, _ = run(torch.bfloat16, False)
+    fast, module = run(torch.bfloat16, True)
+    assert nrel(fast[0], ref[0]) < 2e-2
+    names = ["output", "input grad"] + [n for n, _ in module.named_parameters()]
+    for name, a, b in zip(names, fast, loop):
+        assert nrel(a, b) < 1e-2, (name, nrel(a, b))
+    assert module.down_proj.grad[[1, 5]].abs().sum() == 0  # empty experts: zero gradient
 
 
 # --- the whole model -------------------------------------------------------------------------------------------
