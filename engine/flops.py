@@ -1,6 +1,6 @@
 """Model FLOPs per step and the MFU they imply.
 
-    FLOPs per step = 6 * N * T  +  6 * L * Hq * Dh * sum_over_sequences(S^2)
+    FLOPs per step = 6 * N * T  +  6 * Hq * Dh * sum_over_layers(sum_over_sequences(S^2))
 
 N: parameters a token uses (tied embeddings counted once; in an MoE layer, its top_k experts' weights, not all E
 of them, whatever ep holds on this rank), T: tokens processed in the global batch, L: layers,
@@ -8,6 +8,11 @@ Hq: query heads, Dh: head dim, S: each sequence's length (the global, unsplit le
 is causal attention: forward 2 * Hq * Dh * S^2 per layer (QK^T and PV, each S^2/2 * Dh * 2 per head),
 backward twice the forward. Recompute is NOT counted (MFU convention), so memory policies that
 recompute lower MFU honestly. Same formula as ../anchor-bench/model_bench.py, so numbers compare.
+
+What attention really computes replaces S^2 where it is less: in a packed row each document is a sequence of
+its own (sum of its documents' L^2, not the row's S^2), and a sliding-window layer of window w sees at most w
+keys per query (2 S w - w^2 for S > w: the same causal-pairs convention). Counting a packed row as one causal
+sequence would overstate the FLOPs, and a fast packed step would then trip the MFU-over-100% check.
 """
 from __future__ import annotations
 
@@ -29,11 +34,32 @@ def count_params(model) -> int:
     return total
 
 
-def step_flops(num_params: int, hf_config, num_seqs: int, seq_len: int) -> float:
+def layer_windows(hf_config) -> list:
+    """Each layer's sliding window (None: full attention), as HF's attention reads it."""
+    window = getattr(hf_config, "sliding_window", None)
+    types = getattr(hf_config, "layer_types", None)
+    if types:
+        return [window if t == "sliding_attention" else None for t in types]
+    on = window and getattr(hf_config, "use_sliding_window", True)
+    return [window if on else None] * hf_config.num_hidden_layers
+
+
+def attention_sq(lengths, windows) -> float:
+    """sum over layers and sequences of the S^2 that the attention FLOPs scale with (see the module docstring)."""
+    total = 0.0
+    for w in set(windows):
+        n = windows.count(w)
+        total += n * sum(float(L) * L if w is None or L <= w else 2.0 * L * w - float(w) * w for L in lengths)
+    return total
+
+
+def step_flops(num_params: int, hf_config, num_seqs: int, seq_len: int, attn_sq: float = None) -> float:
+    """attn_sq: attention_sq over the global batch's documents (packed rows); None: num_seqs rows of seq_len."""
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     dense = 6.0 * num_params * num_seqs * seq_len
-    attention = 6.0 * hf_config.num_hidden_layers * hf_config.num_attention_heads * head_dim * num_seqs * seq_len ** 2
-    return dense + attention
+    if attn_sq is None:
+        attn_sq = attention_sq([seq_len] * num_seqs, layer_windows(hf_config))
+    return dense + 6.0 * hf_config.num_attention_heads * head_dim * attn_sq
 
 
 def detect_peak_tflops(device) -> float:

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from configs import Plan, TrainConfig
 from ds_ulysses_ext import init_topology
+from ds_ulysses_ext.masks import document_starts
 
 from . import checkpoint
 from .build import build, is_moe, moe_step_end
@@ -24,7 +25,7 @@ from .distributed import Runtime, cp_group_node_spans, cp_placement_warning
 from .ds_config import effective_zero_stage
 from .evaluate import eval_set, evaluate
 from .export import export_hf
-from .flops import count_params, detect_peak_tflops, step_flops
+from .flops import attention_sq, count_params, detect_peak_tflops, layer_windows, step_flops
 from .hf_config import hf_config_of, position_warning
 from .host_memory import log_offload_estimate
 from .nonfinite import NonFiniteStep, judge, skipped_warning
@@ -120,7 +121,8 @@ def train(cfg: TrainConfig, plan: Plan, rt: Runtime) -> dict:
                 raise torch.OutOfMemoryError(oom_advice(cfg, plan, step + 1, rt.device)) from err
             _sync(rt.device)
             dt = time.perf_counter() - t0
-            record = _metrics(step + 1, result, lr, dt, rt, plan, num_params, hf_config, peak_tflops)
+            record = _metrics(step + 1, result, lr, dt, rt, plan, num_params, hf_config, peak_tflops,
+                              packed_attention_sq(micro_batches, hf_config, topo, rt.device))
             if step + 1 == cfg.logging.profile_step:
                 record["profiled"] = True  # its step time includes the profiler's overhead and trace export
             skipped, fatal = judge(result, cfg.trainer.on_nonfinite)
@@ -186,9 +188,26 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _metrics(step, result, lr, dt, rt: Runtime, plan: Plan, num_params, hf_config, peak_tflops) -> dict:
+def packed_attention_sq(micro_batches, hf_config, topo, device):
+    """Packed rows: the global batch's attention_sq by document (one all-reduce of a scalar); else None."""
+    if "position_ids" not in micro_batches[0]:
+        return None
+    windows = layer_windows(hf_config)
+    local = 0.0
+    for mb in micro_batches:
+        starts = document_starts(mb["position_ids"]).reshape(-1).nonzero().flatten().tolist()
+        bounds = starts + [mb["position_ids"].numel()]
+        local += attention_sq([b - a for a, b in zip(bounds[:-1], bounds[1:])], windows)
+    total = torch.tensor([local], dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(total)
+    return total.item() / topo.cp_size  # the ranks of a CP group hold the same rows
+
+
+def _metrics(step, result, lr, dt, rt: Runtime, plan: Plan, num_params, hf_config, peak_tflops,
+             attn_sq=None) -> dict:
     seq_len = result.input_tokens // plan.global_batch_size
-    flops = step_flops(num_params, hf_config, plan.global_batch_size, seq_len)
+    flops = step_flops(num_params, hf_config, plan.global_batch_size, seq_len, attn_sq)
     tflops = flops / dt / rt.world_size / 1e12
     mfu = tflops / peak_tflops if peak_tflops else None
     if mfu is not None and mfu > 1.0:

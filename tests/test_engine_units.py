@@ -35,6 +35,27 @@ def test_mfu_above_100_percent_aborts():
         _metrics(1, result, 1e-3, 1e-12, rt, PLAN, 1_000_000, cfg, peak_tflops=989.0)
 
 
+def test_attention_flops_count_documents_and_windows_not_the_row():
+    from types import SimpleNamespace
+    from engine.flops import step_flops
+    from engine.train import packed_attention_sq
+    cfg = SimpleNamespace(head_dim=8, hidden_size=32, num_attention_heads=4, num_hidden_layers=3,
+                          sliding_window=None, layer_types=None)
+    per_sq = 6.0 * 4 * 8  # FLOPs per unit of S^2 per layer
+    # two rows of 10: documents 4 + 6 and 10 (restarting position_ids), no cp, no process group
+    pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5], list(range(10))])
+    topo = SimpleNamespace(cp_size=1)
+    sq = packed_attention_sq([{"position_ids": pos}], cfg, topo, torch.device("cpu"))
+    assert sq == 3 * (16 + 36 + 100)
+    assert step_flops(0, cfg, 2, 10, sq) == per_sq * 3 * (16 + 36 + 100)
+    assert step_flops(0, cfg, 2, 10) == per_sq * 3 * 200  # unpacked: two causal rows of 10
+    assert packed_attention_sq([{"input_ids": pos}], cfg, topo, torch.device("cpu")) is None
+    # one sliding layer of window 4 among three: a row of 10 counts 2 * 10 * 4 - 16 = 64 there, 100 elsewhere
+    cfg.layer_types, cfg.sliding_window = ["full_attention", "sliding_attention", "full_attention"], 4
+    assert step_flops(0, cfg, 1, 10) == per_sq * (100 + 64 + 100)
+    assert step_flops(0, cfg, 1, 3) == per_sq * 3 * 9  # shorter than the window: the window changes nothing
+
+
 def test_loss_scale_per_reduction_path():
     # the measured DeepSpeed conventions (engine/grad_reduction.py), written out by hand
     assert loss_scale(3, True, PLAN) == 4.0     # mean over dp*cp
