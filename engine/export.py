@@ -16,7 +16,7 @@ import torch.distributed as dist
 from configs import to_dataclass
 
 from . import checkpoint
-from .build import model_dtype, no_init_weights
+from .build import hf_attn, model_dtype, no_init_weights
 from .data.tokenizer import tokenizer_of
 from .hf_config import hf_config_of
 
@@ -93,8 +93,9 @@ def export_hf_from_checkpoint(out_dir: Path, tag: str | None = None, export_dir:
     export_dir = Path(export_dir or out_dir / f"hf_export_{tag}")
     # every weight is overwritten from the checkpoint, so HF's random init would be wasted time
     with no_init_weights() if no_init_weights is not None else contextlib.nullcontext():
+        # the attention HF accepts for the family (GPT-OSS refuses sdpa); nothing here runs it
         hf_model = AutoModelForCausalLM.from_config(hf_config_of(cfg.model), dtype=model_dtype(cfg),
-                                                    attn_implementation="sdpa")
+                                                    attn_implementation=hf_attn(cfg.model))
     state = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint.ckpt_root(out_dir)), tag=tag)
     state = {k.removeprefix(_PREFIX): v for k, v in state.items()}
     hf_model.load_state_dict(state, strict=True)  # zero_to_fp32 names a tied lm_head too

@@ -295,6 +295,8 @@ def test_hf_export_reloads_with_the_trained_weights(tmp_path):
     ("tied_zero2", 1, ["parallelism.cp=1", "model.arch.tie_word_embeddings=true"]),
     # the checkpoint's "fp32" partitions are bf16 here; the run's export rounds the same masters to bf16
     ("bf16_masters_zero3", 2, ["parallelism.cp=2", "precision=bf16", "deepspeed.master_weights=bf16"]),
+    # GPT-OSS: HF builds it with eager attention only, and its experts are our MoE blocks in HF's layout
+    ("gpt_oss_zero3", 2, ["model=tiny_gpt_oss", "parallelism.cp=2"]),
 ])
 def test_export_of_a_checkpoint_equals_the_run_export(tmp_path, name, world, extra):
     train(tmp_path, name, world, extra + ["trainer.max_steps=1", "trainer.export_hf=true", "trainer.save_at_end=true"])
