@@ -203,14 +203,15 @@ def test_grouped_mm_path_in_bf16_matches_the_loop(layout, recompute):
         m.load_state_dict(weights)
         m = m.cuda().to(dtype)
         xi = x.to(dtype).requires_grad_()
-        calls, real, ok = [], torch._grouped_mm, experts_module._grouped_mm_ok
+        calls, real, ok, layouts = [], torch._grouped_mm, experts_module._grouped_mm_ok, experts_module.GROUPED_LAYOUTS
         torch._grouped_mm = lambda *a, **k: calls.append(1) or real(*a, **k)
         experts_module._grouped_mm_ok = ok if grouped else (lambda *a: False)
+        experts_module.GROUPED_LAYOUTS = experts_module.LAYOUTS  # the check of a layout not yet enabled by default
         try:
             y = m(xi, counts)
             (y.float() * dy).sum().backward()
         finally:
-            torch._grouped_mm, experts_module._grouped_mm_ok = real, ok
+            torch._grouped_mm, experts_module._grouped_mm_ok, experts_module.GROUPED_LAYOUTS = real, ok, layouts
         assert bool(calls) == grouped
         return [y.float(), xi.grad.float()] + [p.grad.float() for p in m.parameters()], m
 
