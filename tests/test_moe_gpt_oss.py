@@ -17,7 +17,8 @@ from transformers import AutoModelForCausalLM, GptOssConfig
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts, GptOssMLP
 
 from dist_harness import run_ranks
-from ds_ulysses_ext import CPCausalLM, UnsupportedError, enable_context_parallel, init_topology, shard_batch
+from moe_check import assert_moe_split_matches
+from ds_ulysses_ext import UnsupportedError, enable_context_parallel, init_topology
 from ds_ulysses_ext.moe import AllToAllDispatcher, MoEBlock, MoEContext, moe_blocks
 from ds_ulysses_ext.moe.parallel import MoESettings, enable_expert_parallel, hf_moe_spec, replace_hf_blocks
 
@@ -299,34 +300,7 @@ def _model_case(rank, world, cp, ep):
     model = enable_context_parallel(tiny_gpt_oss(), topo, backend="sdpa")
     enable_expert_parallel(model, topo, MoESettings(dispatcher="alltoall", aux_loss_coef=COEF))
     assert not any(isinstance(m, GptOssMLP) for m in model.modules()) and len(moe_blocks(model)) == 2
-    lm = CPCausalLM(model, loss_chunk_size=4)
-    ids, labels, mask = _batch()
-    rows = ids.shape[0] // topo.dp_size
-    mine = slice(topo.dp_rank * rows, (topo.dp_rank + 1) * rows)
-    local = shard_batch({"input_ids": ids[mine], "labels": labels[mine], "attention_mask": mask[mine]}, topo)
-    local["moe_token_mask"] = shard_batch({"input_ids": mask[mine]}, topo)["input_ids"]
-    loss_sum, count = lm(**local)
-    counts = torch.stack([count.double(), torch.tensor(float(rows) / cp, dtype=torch.float64)])
-    dist.all_reduce(counts)
-    aux_share = lm.moe_aux_share
-    (loss_sum / counts[0] + COEF * aux_share / counts[1]).backward()
-    totals = torch.stack([loss_sum.detach() / counts[0], aux_share.detach() / counts[1]]).double()
-    dist.all_reduce(totals)
-    assert abs(totals[0] - ref_ce) / ref_ce < RTOL, ("ce", totals[0], ref_ce)
-    assert abs(totals[1] - ref_aux) / ref_aux < RTOL, ("aux", totals[1], ref_aux)
-    El = MODEL_E // ep
-    experts = {id(p) for b in moe_blocks(model) for p in b.experts.parameters()}
-    names = set()
-    for name, p in model.named_parameters():
-        grad, ref = p.grad.clone(), ref_grads[name]
-        if id(p) in experts:
-            dist.all_reduce(grad, group=topo.edp_group)
-            ref = ref[topo.ep_rank * El:(topo.ep_rank + 1) * El]
-        else:
-            dist.all_reduce(grad)
-        err = ((grad - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-        assert err < RTOL, (name, err)
-        names.add(name)
+    names = assert_moe_split_matches(model, topo, _batch(), COEF, ref_ce, ref_aux, ref_grads, MODEL_E, RTOL)
     assert names == set(ref_grads)  # every HF parameter, sinks and all biases, under HF's name
 
 

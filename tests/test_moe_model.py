@@ -10,12 +10,11 @@ summed over all ranks for dense weights and over the expert-data-parallel group 
 """
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from dist_harness import run_ranks
-from ds_ulysses_ext import CPCausalLM, enable_context_parallel, init_topology, shard_batch
-from ds_ulysses_ext.moe import moe_blocks
+from moe_check import assert_moe_split_matches
+from ds_ulysses_ext import enable_context_parallel, init_topology
 from ds_ulysses_ext.moe.parallel import MoESettings, enable_expert_parallel
 from tiny_models import tiny_model
 
@@ -64,41 +63,12 @@ def _reference():
     return ce.detach(), aux.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _rel(a, b):
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
 def _check(rank, world, cp, ep):
     ref_ce, ref_aux, ref_grads = _reference()
     topo = init_topology(cp, ep_size=ep)
     model = enable_context_parallel(tiny_model("qwen3_moe", **MOE), topo, backend="sdpa")
     enable_expert_parallel(model, topo, MoESettings(dispatcher="alltoall", aux_loss_coef=COEF))
-    lm = CPCausalLM(model, loss_chunk_size=4)
-    ids, labels, mask = _batch()
-    rows = ids.shape[0] // topo.dp_size
-    mine = slice(topo.dp_rank * rows, (topo.dp_rank + 1) * rows)
-    local = shard_batch({"input_ids": ids[mine], "labels": labels[mine], "attention_mask": mask[mine]}, topo)
-    local["moe_token_mask"] = shard_batch({"input_ids": mask[mine]}, topo)["input_ids"]
-    loss_sum, count = lm(**local)
-    counts = torch.stack([count.double(), torch.tensor(float(rows) / cp, dtype=torch.float64)])
-    dist.all_reduce(counts)
-    aux_share = lm.moe_aux_share
-    (loss_sum / counts[0] + COEF * aux_share / counts[1]).backward()
-    totals = torch.stack([loss_sum.detach() / counts[0], aux_share.detach() / counts[1]]).double()
-    dist.all_reduce(totals)
-    assert _rel(totals[0], ref_ce.double()) < RTOL, ("ce", totals[0], ref_ce)
-    assert _rel(totals[1], ref_aux.double()) < RTOL, ("aux", totals[1], ref_aux)
-    El = E // ep
-    experts = {id(p) for b in moe_blocks(model) for p in b.experts.parameters()}
-    for name, p in model.named_parameters():
-        grad = p.grad.clone()
-        ref = ref_grads[name]
-        if id(p) in experts:
-            dist.all_reduce(grad, group=topo.edp_group)
-            ref = ref[topo.ep_rank * El:(topo.ep_rank + 1) * El]
-        else:
-            dist.all_reduce(grad)
-        assert _rel(grad, ref) < RTOL, (name, _rel(grad, ref))
+    assert_moe_split_matches(model, topo, _batch(), COEF, ref_ce, ref_aux, ref_grads, E, RTOL)
 
 
 @pytest.mark.parametrize("world,cp,ep", [(2, 2, 2), (2, 1, 2), (4, 2, 2), (4, 2, 4), (4, 4, 4), (4, 4, 1)])

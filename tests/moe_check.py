@@ -1,0 +1,45 @@
+"""The check every MoE model test ends with: one CP x EP x DP step of this rank's share (cross-entropy + the
+per-sequence balance loss), then the CP/DP-summed losses and every gradient against the unsplit reference; expert
+gradients are summed over their EDP group and compared with this EP rank's slice of the reference."""
+import torch
+import torch.distributed as dist
+
+from ds_ulysses_ext import CPCausalLM, shard_batch
+from ds_ulysses_ext.moe import moe_blocks
+
+
+def _rel(a, b):
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def assert_moe_split_matches(model, topo, batch, coef, ref_ce, ref_aux, ref_grads, num_experts, rtol):
+    """batch: (input_ids, labels, attention_mask) of the whole global batch; returns the names checked."""
+    ids, labels, mask = batch
+    lm = CPCausalLM(model, loss_chunk_size=4)
+    rows = ids.shape[0] // topo.dp_size
+    mine = slice(topo.dp_rank * rows, (topo.dp_rank + 1) * rows)
+    local = shard_batch({"input_ids": ids[mine], "labels": labels[mine], "attention_mask": mask[mine]}, topo)
+    local["moe_token_mask"] = shard_batch({"input_ids": mask[mine]}, topo)["input_ids"]
+    loss_sum, count = lm(**local)
+    # the loss's token count and the number of sequences (each counted once across its CP group), over the world
+    counts = torch.stack([count.double(), torch.tensor(float(rows) / topo.cp_size, dtype=torch.float64)])
+    dist.all_reduce(counts)
+    aux_share = lm.moe_aux_share
+    (loss_sum / counts[0] + coef * aux_share / counts[1]).backward()
+    totals = torch.stack([loss_sum.detach() / counts[0], aux_share.detach() / counts[1]]).double()
+    dist.all_reduce(totals)
+    assert _rel(totals[0], torch.as_tensor(ref_ce).double()) < rtol, ("ce", totals[0], ref_ce)
+    assert _rel(totals[1], torch.as_tensor(ref_aux).double()) < rtol, ("aux", totals[1], ref_aux)
+    El = num_experts // topo.ep_size
+    experts = {id(p) for b in moe_blocks(model) for p in b.experts.parameters()}
+    names = set()
+    for name, p in model.named_parameters():
+        grad, ref = p.grad.clone(), ref_grads[name]
+        if id(p) in experts:
+            dist.all_reduce(grad, group=topo.edp_group)
+            ref = ref[topo.ep_rank * El:(topo.ep_rank + 1) * El]
+        else:
+            dist.all_reduce(grad)
+        assert _rel(grad, ref) < rtol, (name, _rel(grad, ref))
+        names.add(name)
+    return names
