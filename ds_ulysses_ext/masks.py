@@ -11,8 +11,9 @@ whole sequence for its heads.
 Key k is visible to query q when (all that apply): k <= q (causal), doc(k) == doc(q) (packing), and
 q - k < window (HF's sliding window: `kv_idx > q_idx - sliding_window`). Sinks add one logit column per query
 head to the softmax (learned, value-free): p = softmax([q.k * scale ..., sink]) without the sink's share.
+They run through SDPA too, as one extra zero-value key whose logit the query carries (_sink_operands).
 
-The torch path walks query blocks so that the boolean mask (and, with sinks, the logits) exist for one block
+The torch path walks query blocks so that the boolean mask exists for one block
 at a time, and each block's key span starts at its earliest visible key (the window's reach, its first
 document's start), so a window or short documents make it cheaper, not just masked.
 
@@ -75,15 +76,47 @@ def _block_mask(q_idx, k_idx, doc_BS, window, causal):
     return mask
 
 
-def _with_sinks(q, k, v, mask, sinks_h, scale):
-    # explicit softmax with one extra logit column per head; at least fp32, as the kernels keep it
-    acc = torch.promote_types(q.dtype, torch.float32)
-    logits = torch.matmul(q, k.transpose(-1, -2)).to(acc) * scale
-    logits = logits.masked_fill(~mask, float("-inf"))
-    B, h, bq, _ = logits.shape
-    sink = sinks_h.to(acc).reshape(1, h, 1, 1).expand(B, h, bq, 1)
-    probs = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
-    return torch.matmul(probs.to(v.dtype), v)
+def _sink_operands(q, k, v, sinks_h, scale):
+    """[B h S D] q, [B hkv S D] k, v -> the operands of sink attention as plain SDPA with one extra key.
+
+    The sink of head h is a key whose value is zero and whose logit is s_h. A key is shared by a KV group but
+    the sink differs per query head, so the sink's logit rides in the QUERY: q' = [q, s_h / scale, 0...],
+    k'_j = [k_j, 0, 0...] for the real keys, k'_sink = [0, 1, 0...] with v'_sink = 0; then scale * q'.k'_j =
+    scale * q.k_j and scale * q'.k'_sink = s_h, and softmax over [real keys..., sink] times [v..., 0] is exactly
+    p = softmax([q.k * scale ..., s_h]) without the sink's share, applied to v. The head dim is padded with zeros
+    to a multiple of 8 (q', k', v' alike; zeros change no dot product) so that the fused GPU kernels take it;
+    callers slice the output back to D. The sink's gradient flows through q''s extra coordinate (autograd sums
+    it over batch and queries).
+
+    Precision: s_h / scale is computed in at least fp32 and rounded ONCE to the input dtype, so in bf16 the sink
+    logit carries the same input rounding as q.k does (bf16: ~3 significant digits; exact when s_h is already a
+    bf16 value and scale a power of two, as at D 64); the kernel then forms scale * q'.k'_sink with its fp32
+    accumulation. The former explicit path kept the sink logit in fp32. fp32 inputs keep it in fp32.
+    """
+    B, h, S, D = q.shape
+    Dp = -(-(D + 1) // 8) * 8
+    acc = torch.promote_types(sinks_h.dtype, torch.float32)
+    # a sink of -inf (no sink: the ring tests' reference passes it) or one whose s_h / scale overflows the dtype
+    # is clamped to the dtype's finite range: -inf * 0 would make every real logit NaN, while the most negative
+    # finite coordinate still gives the sink probability 0 (scale <= 1) and, like -inf, no gradient
+    finite = torch.finfo(q.dtype)
+    coord = (sinks_h.to(acc) / scale).to(q.dtype).clamp(finite.min, finite.max)
+    coord = coord.reshape(1, h, 1, 1).expand(B, h, S, 1)
+    qp = torch.cat([q, coord, q.new_zeros(B, h, S, Dp - D - 1)], dim=-1)  # [B h S Dp]
+    kp, vp = F.pad(k, (0, Dp - D)), F.pad(v, (0, Dp - D))  # [B hkv S Dp]
+    sink_key = k.new_zeros(Dp)
+    sink_key[D] = 1
+    return qp, kp, vp, sink_key
+
+
+def _with_sinks(qb, kb, vb, mask, sink_key, scale, gqa):
+    # one block of sink attention through SDPA: padded operands (_sink_operands) plus the sink key, zero value
+    # and an always-visible mask column; returns [B h bq Dp] (the caller slices D back)
+    B, hkv, L, Dp = kb.shape
+    kb = torch.cat([kb, sink_key.expand(B, hkv, 1, Dp)], dim=2)
+    vb = F.pad(vb, (0, 0, 0, 1))
+    mask = F.pad(mask, (0, 1), value=True)
+    return F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
 
 def masked_attention(q_BShD: torch.Tensor, k_BShD: torch.Tensor, v_BShD: torch.Tensor, *, causal: bool = True,
@@ -137,9 +170,8 @@ def _blocked(q_BShD, k_BShD, v_BShD, causal, scale, cu_seqlens, window, sinks, b
     B, S, h, D = q_BShD.shape
     hkv = k_BShD.shape[2]
     q, k, v = (t.transpose(1, 2) for t in (q_BShD, k_BShD, v_BShD))  # [B h S D]
-    if sinks is not None and hkv != h:
-        # the explicit path multiplies per head; SDPA's enable_gqa covers the other path
-        k, v = k.repeat_interleave(h // hkv, dim=1), v.repeat_interleave(h // hkv, dim=1)
+    if sinks is not None:
+        q, k, v, sink_key = _sink_operands(q, k, v, sinks, scale)  # head dim padded to Dp, GQA kept
     doc_BS = document_ids(cu_seqlens, B, S) if cu_seqlens is not None else None
     first_key = None
     if doc_BS is not None:
@@ -159,7 +191,7 @@ def _blocked(q_BShD, k_BShD, v_BShD, causal, scale, cu_seqlens, window, sinks, b
         mask = _block_mask(q_idx, k_idx, doc_BS, window, causal)
         qb, kb, vb = q[:, :, qs:qe], k[:, :, ks:ke], v[:, :, ks:ke]
         if sinks is not None:
-            outs.append(_with_sinks(qb, kb, vb, mask, sinks, scale))
+            outs.append(_with_sinks(qb, kb, vb, mask, sink_key, scale, h != hkv)[..., :D])
         else:
             outs.append(F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale,
                                                        enable_gqa=h != hkv))

@@ -114,3 +114,89 @@ def test_blocked_torch_path_matches_the_dense_definition(window, with_sinks):
     sinks = torch.randn(4, generator=g, dtype=torch.float64) if with_sinks else None
     got = masked_attention(q, k, v, cu_seqlens=cu, window=window, sinks=sinks, block=4)
     assert rel(got, _dense_reference(q, k, v, doc, window, sinks)) < 1e-12
+
+
+def _sink_case(dtype, h, hkv, D, packed, seed=5):
+    # rows of 11 in blocks of 4; sinks large and distinct per head, so a sink lost or mis-scaled shows
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(2, 11, n, D, generator=g, dtype=torch.float64) for n in (h, hkv, hkv))
+    sinks = torch.randn(h, generator=g, dtype=torch.float64) * 2
+    grad_out = torch.randn(2, 11, h, D, generator=g, dtype=torch.float64)
+    if packed:
+        doc = [[0] * 5 + [1] * 6, [0] * 2 + [1] * 7 + [2] * 2]
+        cu = torch.tensor([0, 5, 11, 13, 20, 22], dtype=torch.int32)
+    else:
+        doc, cu = [[0] * 11, [0] * 11], None
+    return [t.to(dtype) for t in (q, k, v, sinks)], grad_out.to(dtype), doc, cu
+
+
+def _out_and_grads(fn, inputs, grad_out):
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    out = fn(*leaves)
+    out.backward(grad_out)
+    return [out.detach()] + [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("D", [7, 8])  # D + 1 a multiple of 8 (no zero padding) and not
+@pytest.mark.parametrize("hkv", [2, 4])  # GQA (4 query heads over 2) and plain MHA
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+def test_sinks_through_sdpa_match_the_dense_definition_with_gradients(dtype, tol, window, packed, hkv, D):
+    # output, dq, dk, dv and dsinks of the torch path (sinks as an extra SDPA key) against the fp64 definition
+    inputs, grad_out, doc, cu = _sink_case(dtype, 4, hkv, D, packed)
+    got = _out_and_grads(lambda q, k, v, s: masked_attention(q, k, v, cu_seqlens=cu, window=window, sinks=s,
+                                                             block=4), inputs, grad_out)
+    ref = _out_and_grads(lambda q, k, v, s: _dense_reference(q, k, v, doc, window, s),
+                         [t.double() for t in inputs], grad_out.double())
+    assert got[0].dtype == dtype and got[4].dtype == dtype
+    for name, a, b in zip(("out", "dq", "dk", "dv", "dsinks"), got, ref):
+        assert rel(a, b) < tol, (name, rel(a, b))
+    # the sinks matter here: the same call without them is far from the reference
+    assert rel(masked_attention(*inputs[:3], cu_seqlens=cu, window=window, block=4), ref[0]) > 1e-2
+
+
+def test_sinks_path_is_one_gqa_sdpa_call_per_block_with_head_dim_a_multiple_of_8(monkeypatch):
+    # K/V keep their hkv heads (enable_gqa, no repeat), the head dim is padded for the fused kernels, and the
+    # sink column is the only extra key and is always visible
+    calls, sdpa = [], F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, **kw):
+        calls.append((q.shape, k.shape, v.shape, attn_mask, kw))
+        return sdpa(q, k, v, attn_mask=attn_mask, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    (q, k, v, sinks), _, _, _ = _sink_case(torch.float32, 4, 2, 8, packed=False)
+    masked_attention(q, k, v, window=3, sinks=sinks, block=4)
+    assert len(calls) == 3  # ceil(11 / 4) blocks
+    for qs, ks, vs, mask, kw in calls:
+        assert qs[1] == 4 and ks[1] == vs[1] == 2 and kw["enable_gqa"] is True
+        assert qs[-1] == ks[-1] == vs[-1] == 16
+        assert mask.shape[-1] == ks[2] and bool(mask[..., -1].all())
+
+
+def test_sinks_in_bf16_with_fp32_sinks_stay_close_to_the_definition():
+    # bf16 q/k/v with fp32 sinks (a master copy): the sink coordinate is rounded to bf16 like q is; output and
+    # every gradient within bf16 tolerance of the fp64 definition on the same (rounded) inputs
+    inputs, grad_out, doc, _ = _sink_case(torch.float64, 4, 2, 8, packed=False)
+    inputs = [t.to(torch.bfloat16) for t in inputs[:3]] + [inputs[3].float()]
+    got = _out_and_grads(lambda q, k, v, s: masked_attention(q, k, v, window=3, sinks=s, block=4), inputs,
+                         grad_out.to(torch.bfloat16))
+    ref = _out_and_grads(lambda q, k, v, s: _dense_reference(q, k, v, doc, 3, s), [t.double() for t in inputs],
+                         grad_out.to(torch.bfloat16).double())
+    assert got[0].dtype == torch.bfloat16 and got[4].dtype == torch.float32
+    for name, a, b in zip(("out", "dq", "dk", "dv", "dsinks"), got, ref):
+        assert rel(a.double(), b) < 1e-2, (name, rel(a.double(), b))
+
+
+def test_a_minus_inf_sink_is_no_sink():
+    # -inf (what the ring tests' reference passes for "no sinks") must not turn the real logits into NaN
+    # (-inf * 0 in the extra query coordinate); those heads' output and gradients are those without a sink
+    inputs, grad_out, doc, cu = _sink_case(torch.float64, 4, 2, 8, packed=True)
+    inputs[3][1::2] = -torch.inf
+    got = _out_and_grads(lambda q, k, v, s: masked_attention(q, k, v, cu_seqlens=cu, window=3, sinks=s, block=4),
+                         inputs, grad_out)
+    ref = _out_and_grads(lambda q, k, v, s: _dense_reference(q, k, v, doc, 3, s), inputs, grad_out)
+    for name, a, b in zip(("out", "dq", "dk", "dv", "dsinks"), got, ref):
+        assert rel(a, b) < 1e-12, (name, rel(a, b))
+    assert bool((got[4][1::2] == 0).all()) and bool((got[4][0::2] != 0).all())
