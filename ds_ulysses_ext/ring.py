@@ -23,8 +23,10 @@ K|V around the ring again, recomputes each block's probabilities from the saved 
 the fp32 dK|dV accumulator of each share along with it; after R hops the accumulator is back at its owner.
 The dK|dV send of step t overlaps the kernel of step t + 1. Per hop: K|V in the input dtype plus dK|dV in fp32.
 
-The per-block kernel is exact torch (fp32 logits, one [B h bq Lk] block of bq = QUERY_BLOCK rows at a time), on
-CPU and GPU; flash kernels are not used inside the ring yet. Its mask is built from GLOBAL positions (BlockMask):
+The per-block kernel: on CUDA in bf16/fp16, torch's flash kernel with its log-sum-exp for every block whose
+visibility its is_causal flag says (no documents, no window: all of a causal zigzag ring's blocks), checked once
+against the torch kernel at first use (_checked); otherwise exact torch (fp32 logits, one [B h bq Lk] block of
+bq = QUERY_BLOCK rows at a time), which is the reference and what CPU runs. Its mask is built from GLOBAL positions (BlockMask):
 causal, packed documents (the global cu_seqlens shard_batch returns, as for Ulysses) and HF's sliding window, so
 packing and windows are exact under the ring too. A step whose block a window hides entirely (no query row within
 the window of any of its keys) is skipped, in forward and backward: an empty block adds nothing to the merge, to dq
@@ -116,6 +118,16 @@ def block_forward(q, k, v, scale: float, mask: BlockMask):
     """Attention of q against one K|V block, with its log-sum-exp (-inf for a row that sees none of its keys)."""
     h = q.shape[1]
     k, v = _expand(k, h), _expand(v, h)
+    is_causal = _fused_flag(mask)
+    kernel = _fused_kernel(q) if is_causal is not None else None
+    if kernel is not None:
+        out, lse = kernel.forward(q, k, v, scale, is_causal)
+        return out.float(), lse.float()
+    return _torch_block_forward(q, k, v, scale, mask)
+
+
+def _torch_block_forward(q, k, v, scale: float, mask: BlockMask):
+    # the exact kernel: fp32 logits for QUERY_BLOCK query rows at a time (k, v already expanded to q's heads)
     outs, lses = [], []
     for qs in range(0, q.shape[2], QUERY_BLOCK):
         qb = q[:, :, qs:qs + QUERY_BLOCK]
@@ -126,8 +138,19 @@ def block_forward(q, k, v, scale: float, mask: BlockMask):
     return torch.cat(outs, 2), torch.cat(lses, 2)
 
 
-def block_backward(q, k, v, dout, lse, delta, scale: float, mask: BlockMask):
-    """dq, dk, dv (fp32) of one block, from the MERGED log-sum-exp and delta = rowsum(dout * out) of the whole row."""
+def block_backward(q, k, v, dout, lse, delta, scale: float, mask: BlockMask, out=None):
+    """dq, dk, dv (fp32) of one block, from the MERGED log-sum-exp and delta = rowsum(dout * out) of the whole row
+    (`out`: the merged output of these rows, which the fused kernel takes in place of delta)."""
+    h, hkv = q.shape[1], k.shape[1]
+    is_causal = _fused_flag(mask) if out is not None else None
+    kernel = _fused_kernel(q) if is_causal is not None else None
+    if kernel is not None:
+        dq, dk, dv = kernel.backward(dout, q, _expand(k, h), _expand(v, h), out, lse, scale, is_causal)
+        return dq.float(), _fold(dk.float(), hkv), _fold(dv.float(), hkv)
+    return _torch_block_backward(q, k, v, dout, lse, delta, scale, mask)
+
+
+def _torch_block_backward(q, k, v, dout, lse, delta, scale: float, mask: BlockMask):
     h, hkv = q.shape[1], k.shape[1]
     ke, ve = _expand(k, h).float(), _expand(v, h).float()
     dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
@@ -142,6 +165,105 @@ def block_backward(q, k, v, dout, lse, delta, scale: float, mask: BlockMask):
         dq[:, :, qs:qs + QUERY_BLOCK] = torch.matmul(ds, ke) * scale
         dk += torch.matmul(ds.transpose(-1, -2), qb) * scale
     return dq, _fold(dk, hkv), _fold(dv, hkv)
+
+
+# --- the fused block kernel: flash attention with its log-sum-exp, for the blocks a kernel flag describes -----
+#
+# A zigzag ring step's block is, without documents or a window, either all visible (an earlier share, or a later
+# share seen by the second local chunk) or the local share's causal diagonal (step 0: the two chunks in order
+# make "query i sees key j <= i" exact). Those two are what a flash kernel's is_causal flag says, so the block
+# can run fused: forward returns (out, lse); backward takes the MERGED out and lse of the whole ring, which makes
+# its dq/dk/dv this block's share of the exact gradient (as every flash-based ring does). Other blocks (documents,
+# windows) run the masked torch kernel above, which stays the reference. torch's flash ops (aten) carry the
+# log-sum-exp, which the public SDPA call does not return: that is why they are called directly, here only.
+
+FUSED_ON_CPU = False  # CPU runs the torch kernel (the reference); tests set this to check the fused path's logic
+
+
+def _fused_flag(mask: BlockMask) -> Optional[bool]:
+    """is_causal for a fused call (False: every key visible; True: the aligned causal diagonal), else None."""
+    if mask.doc is not None or mask.window is not None:
+        return None
+    if not mask.causal:
+        return False
+    q, k = mask.q_pos, mask.k_pos  # increasing within a block (zigzag chunks in order)
+    if int(k[-1]) <= int(q[0]):
+        return False
+    if q.shape == k.shape and torch.equal(q, k):
+        return True
+    return None
+
+
+class _CpuFlash:
+    @staticmethod
+    def forward(q, k, v, scale, is_causal):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
+
+    @staticmethod
+    def backward(dout, q, k, v, out, lse, scale, is_causal):
+        args = [t.contiguous() for t in (dout, q, k, v, out.to(q.dtype), lse.to(q.dtype))]
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(*args, 0.0, is_causal, scale=scale)
+
+
+class _CudaFlash:
+    @staticmethod
+    def forward(q, k, v, scale, is_causal):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+            q.contiguous(), k.contiguous(), v.contiguous(), 0.0, is_causal, False, scale=scale)[:2]
+        return out, lse
+
+    @staticmethod
+    def backward(dout, q, k, v, out, lse, scale, is_causal):
+        # no dropout: the random-state arguments are unused; dense (not varlen): no cumulative lengths
+        Lq, Lk = q.shape[2], k.shape[2]
+        none = torch.empty(0, dtype=torch.int64, device=q.device)
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.to(q.dtype).contiguous(),
+            lse.float().contiguous(), none, none, Lq, Lk, 0.0, is_causal, none, none, scale=scale)
+
+
+def _fused_kernel(q):
+    """The fused block kernel for q's device and dtype, or None (the masked torch kernel)."""
+    if not q.is_cuda:
+        return _CpuFlash if FUSED_ON_CPU else None
+    D = q.shape[-1]
+    if q.dtype not in (torch.bfloat16, torch.float16) or D % 8 or D > 256:
+        return None
+    return _CudaFlash if _checked(_CudaFlash, q.device, q.dtype, D) else None
+
+
+@functools.lru_cache(maxsize=None)
+def _checked(kernel, device, dtype, D: int) -> bool:
+    """Once per (kernel, device, dtype, head dim): the fused kernel against the torch kernel on a small random
+    block, causal and not, forward and backward. A kernel that cannot be called here is logged and the ring
+    keeps the torch kernel; one that runs but disagrees is an error, never used."""
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k, v, dout = (torch.randn(1, 2, 192, D, device=device, dtype=dtype, generator=g) for _ in range(4))
+    pos = torch.arange(192, device=device)
+    for causal in (False, True):
+        mask = BlockMask(causal, pos, pos)
+        try:
+            out, lse = kernel.forward(q, k, v, D ** -0.5, causal)
+            grads = kernel.backward(dout, q, k, v, out, lse.float(), D ** -0.5, causal)
+        except (RuntimeError, TypeError) as err:
+            log.warning("ring attention: the fused %s kernel cannot run on %s in %s (%s); the ring runs the exact "
+                        "torch block kernel", kernel.__name__, device, dtype, str(err).splitlines()[0][:200])
+            return False
+        ref_out, ref_lse = _torch_block_forward(q, k, v, D ** -0.5, mask)
+        delta = (dout.float() * ref_out).sum(-1)
+        ref_grads = _torch_block_backward(q, k, v, dout, ref_lse, delta, D ** -0.5, mask)
+        for name, got, ref in [("out", out, ref_out), ("lse", lse, ref_lse)] + list(zip(("dq", "dk", "dv"), grads,
+                                                                                          ref_grads)):
+            # bf16 inputs: the kernels differ by rounding only (~1e-3); the lse, an exponent, by absolute error
+            err = ((got.float() - ref).abs().max() if name == "lse"
+                   else (got.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+            if not err < 2e-2:
+                raise RuntimeError(f"ring attention: the fused {kernel.__name__} kernel disagrees with the exact torch "
+                                   f"block kernel on {device} in {dtype} ({name}: error {err:.2e}, causal="
+                                   f"{causal}); set parallelism.ring=1 or report this")
+    log.info("ring attention: fused %s block kernel checked against the torch kernel on %s in %s", kernel.__name__,
+             device, dtype)
+    return True
 
 
 # --- the ring -------------------------------------------------------------------------------------------
@@ -254,8 +376,11 @@ def _ring_backward(q, k, v, out, lse, dout, dlse, scale, mask: BlockMask, ring: 
         step_mask = _block_mask(mask, ring, src, rows, keys)
         seen = _sees_any(step_mask)  # a block the window hides has zero gradients: skip it, pass dK|dV on as is
         if seen:
+            # the fused kernel derives delta from the merged output itself, so it cannot take the sinks' dlse term
+            fused_out = out[:, :, rows] if dlse is None else None
             dq_b, dk_b, dv_b = block_backward(q[:, :, rows], kv[:, :, keys, :D], kv[:, :, keys, D:],
-                                              dout[:, :, rows], lse[:, :, rows], delta[:, :, rows], scale, step_mask)
+                                              dout[:, :, rows], lse[:, :, rows], delta[:, :, rows], scale, step_mask,
+                                              out=fused_out)
             dq[:, :, rows] += dq_b
         if pending_dkv is not None:  # the accumulator of this step's share, from the previous rank
             dkv = _Ring.wait(pending_dkv)
@@ -279,18 +404,22 @@ class _RingAttention(torch.autograd.Function):
         out = out.to(q_BhLD.dtype)
         ctx.save_for_backward(q_BhLD, k_BhLD, v_BhLD, out, lse)
         ctx.scale, ctx.mask, ctx.ring = scale, mask, ring
+        ctx.set_materialize_grads(False)  # an unused lse (no sinks) then gets None, not zeros: the fused backward
         return out, lse
 
     @staticmethod
     def backward(ctx, dout_BhLD, dlse_BhL):
         q, k, v, out, lse = ctx.saved_tensors
+        if dout_BhLD is None:
+            dout_BhLD = torch.zeros_like(out)
         dq, dk, dv = _ring_backward(q, k, v, out, lse, dout_BhLD, dlse_BhL, ctx.scale, ctx.mask, ctx.ring)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 @functools.lru_cache(maxsize=None)
 def _log_kernel(backend: str) -> None:
-    log.info("ring attention: exact torch block kernel (attention backend %s is not used inside the ring)", backend)
+    log.info("ring attention: torch's flash kernel for the blocks it can take on CUDA in bf16/fp16 (checked at first "
+             "use), else the exact torch block kernel; attention backend %s is not used inside the ring", backend)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ring_group, ulysses_group=None,

@@ -62,6 +62,63 @@ def test_ring_matches_full_attention(world, ring, hkv, causal):
     run_ranks(_check, world, ring, causal, hkv)
 
 
+def _check_fused(rank, world, ring, causal, hkv):
+    # the fused path (CPU's flash kernel standing in for CUDA's): every block of a plain ring is one whose visibility
+    # the kernel's is_causal flag says, so every block runs fused, forward and backward, and stays exact
+    calls = {"forward": 0, "backward": 0}
+    fwd, bwd = ring_mod._CpuFlash.forward, ring_mod._CpuFlash.backward
+
+    def count(name, fn):
+        def call(*args):
+            calls[name] += 1
+            return fn(*args)
+        return staticmethod(call)
+
+    ring_mod.FUSED_ON_CPU = True
+    ring_mod._CpuFlash.forward, ring_mod._CpuFlash.backward = count("forward", fwd), count("backward", bwd)
+    _check(rank, world, ring, causal, hkv)
+    # causal: step 0 is the diagonal, every later step one all-visible half block; not causal: R full blocks
+    assert calls == {"forward": ring, "backward": ring}, calls
+
+
+@pytest.mark.parametrize("world,ring,hkv", [(2, 2, 2), (4, 4, 1), (4, 2, 2)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_fused_block_kernel_ring_matches_full_attention(world, ring, hkv, causal):
+    run_ranks(_check_fused, world, ring, causal, hkv)
+
+
+def test_fused_flag_names_only_the_blocks_a_kernel_flag_can_say():
+    BM = ring_mod.BlockMask
+    pos = torch.tensor([0, 1, 2, 3, 12, 13, 14, 15])  # a zigzag share: chunks 0 and 3 of 4
+    assert ring_mod._fused_flag(BM(True, pos, pos)) is True                       # step 0: the causal diagonal
+    assert ring_mod._fused_flag(BM(True, pos, torch.tensor([0, 1]))) is None      # partly visible: masked kernel
+    assert ring_mod._fused_flag(BM(True, pos[4:], torch.arange(4, 12))) is False  # a later rank's share, seen whole
+    assert ring_mod._fused_flag(BM(True, torch.arange(4, 8), torch.arange(4))) is False
+    assert ring_mod._fused_flag(BM(False, pos, torch.arange(16))) is False
+    assert ring_mod._fused_flag(BM(True, pos, pos, window=4)) is None
+    assert ring_mod._fused_flag(BM(True, pos, pos, doc=torch.zeros(1, 16, dtype=torch.long))) is None
+
+
+def test_a_fused_kernel_that_disagrees_is_refused_and_one_that_cannot_run_is_left_out(caplog):
+    class Wrong(ring_mod._CpuFlash):
+        @staticmethod
+        def forward(q, k, v, scale, is_causal):
+            out, lse = ring_mod._CpuFlash.forward(q, k, v, scale, is_causal)
+            return out, lse + 0.1
+
+    class Broken(ring_mod._CpuFlash):
+        @staticmethod
+        def forward(q, k, v, scale, is_causal):
+            raise RuntimeError("no kernel image for this device")
+
+    device = torch.device("cpu")
+    assert ring_mod._checked(ring_mod._CpuFlash, device, torch.float32, 8) is True
+    with pytest.raises(RuntimeError, match=r"fused Wrong kernel disagrees with the exact torch block kernel on cpu .*\(lse: error 1.0"):
+        ring_mod._checked(Wrong, device, torch.float32, 8)
+    assert ring_mod._checked(Broken, device, torch.float32, 8) is False
+    assert "the fused Broken kernel cannot run on cpu" in caplog.text
+
+
 def test_zigzag_order_by_hand():
     # 16 tokens, cp=4, ring=2 (u=2): chunks of 4; ring rank 0 holds chunks 0 and 3, ring rank 1 chunks 1 and 2
     order = zigzag_order(16, 4, 2).tolist()
@@ -307,9 +364,9 @@ def _count_skipped_blocks(rank, world, window, expected):
     forward, backward = ring_mod.block_forward, ring_mod.block_backward
 
     def counted(name, fn):
-        def call(*args):
+        def call(*args, **kwargs):
             calls[name] += 1
-            return fn(*args)
+            return fn(*args, **kwargs)
         return call
 
     ring_mod.block_forward, ring_mod.block_backward = counted("forward", forward), counted("backward", backward)
@@ -336,3 +393,40 @@ def _count_skipped_blocks(rank, world, window, expected):
 ])
 def test_ring_skips_the_blocks_a_window_hides(window, expected):
     run_ranks(_count_skipped_blocks, 4, window, expected)
+
+
+def _check_fused_sinks(rank, world, ring):
+    # sinks without documents or a window: the forward's blocks run fused; the backward must not (the fused kernel
+    # derives the softmax row term from the output alone and would drop the sinks' log-sum-exp gradient)
+    import torch.distributed as dist
+    calls = {"forward": 0, "backward": 0}
+    fwd, bwd = ring_mod._CpuFlash.forward, ring_mod._CpuFlash.backward
+
+    def count(name, fn):
+        def call(*args):
+            calls[name] += 1
+            return fn(*args)
+        return staticmethod(call)
+
+    ring_mod.FUSED_ON_CPU = True
+    ring_mod._CpuFlash.forward, ring_mod._CpuFlash.backward = count("forward", fwd), count("backward", bwd)
+    topo = init_topology(world, ring_size=ring)
+    q, k, v, dout = _inputs(16, 2, 16)
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(9)) * 2
+    ref = _masked_reference(q, k, v, dout, None, None, sinks)
+    idx = rank_positions(16, world, ring, topo.cp_rank)
+    local = [t[:, idx].clone().requires_grad_() for t in (q, k, v)]
+    my_sinks = sinks.clone().requires_grad_()
+    out = ring_attention(*local, ring_group=topo.ring_group, ulysses_group=topo.ulysses_group, sinks=my_sinks)
+    (out * dout[:, idx]).sum().backward()
+    assert _rel(out, ref[0][:, idx]) < RTOL
+    for name, mine, full in zip("qkv", local, ref[1:4]):
+        assert _rel(mine.grad, full[:, idx]) < RTOL, (name, _rel(mine.grad, full[:, idx]))
+    dist.all_reduce(my_sinks.grad)
+    assert _rel(my_sinks.grad, ref[4]) < RTOL
+    assert calls == {"forward": ring, "backward": 0}, calls
+
+
+@pytest.mark.parametrize("world,ring", [(2, 2), (4, 2)])
+def test_fused_ring_with_sinks_keeps_the_exact_backward(world, ring):
+    run_ranks(_check_fused_sinks, world, ring)
