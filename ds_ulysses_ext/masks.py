@@ -18,9 +18,11 @@ at a time, and each block's key span starts at its earliest visible key (the win
 document's start), so a window or short documents make it cheaper, not just masked.
 
 Packed documents without a window or sinks take a faster road: a document of at least one query block gets
-its own unmasked SDPA call (is_causal), which on Hopper is cuDNN's fused kernel, and runs of shorter documents
-go through the masked block walk together. A masked SDPA call costs several times an unmasked one per visible
-pair (docs/benchmarks.md, packing), and this is what makes packing faster than padding on the torch path.
+its own unmasked SDPA call (is_causal), which on Hopper is cuDNN's fused kernel; shorter causal documents are
+padded at their end to a multiple of DOC_BUCKET and batched, one unmasked is_causal call per padded length (the
+pads come after every real token, so causal attention never lets a real row see them). A masked SDPA call costs
+several times an unmasked one per visible pair (docs/benchmarks.md, packing); without causality the short
+documents keep the masked block walk.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ import torch.nn.functional as F
 
 CU_SEQLENS_KEY = "cp_cu_seqlens"  # the batch key (shard_batch) and attention kwarg (integrate.py) that carry them
 QUERY_BLOCK = 2048  # queries per block of the torch path: bounds its mask to QUERY_BLOCK x key span
+DOC_BUCKET = 128  # packed causal documents shorter than a block are padded to a multiple of this and batched
 
 
 def document_starts(position_ids_BS: torch.Tensor) -> torch.Tensor:
@@ -137,21 +140,25 @@ def masked_attention(q_BShD: torch.Tensor, k_BShD: torch.Tensor, v_BShD: torch.T
 
 
 def _per_document(q_BShD, k_BShD, v_BShD, causal, scale, cu_seqlens, block):
-    """Documents of >= `block` tokens: one unmasked SDPA call each; the runs of shorter ones between them: the
-    masked block walk over just that run. Documents never cross rows, so the flat [B*S] token axis holds them
-    in order, and the pieces' outputs concatenate back into it."""
+    """Documents of >= `block` tokens: one unmasked SDPA call each. Shorter ones, causal: padded at their END to a
+    multiple of DOC_BUCKET tokens and batched, one unmasked is_causal call per padded length; a causal query never
+    sees the keys after it, so the pads change no real row (their own rows are dropped, so they get no gradient).
+    Shorter ones, not causal: the masked block walk over each run of them. Documents never cross rows, so the flat
+    [B*S] token axis holds them all; the pieces' rows are put back in token order."""
     B, S, h, D = q_BShD.shape
     hkv = k_BShD.shape[2]
     q, k, v = (t.reshape(B * S, t.shape[2], D) for t in (q_BShD, k_BShD, v_BShD))  # [B*S h D], views
     bounds = cu_seqlens.tolist()  # one host copy per call
-    pieces, run = [], None  # run: [first, last] token of the pending short documents
+    rows, outs = [], []  # token indices (host) and their outputs, piece by piece
+    short, run = {}, None  # causal: padded length -> its documents; not causal: the pending run [first, last]
 
     def flush():
         if run is not None:
             a, b = run
             local = torch.tensor([x - a for x in bounds if a <= x <= b], dtype=torch.int32, device=q.device)
-            pieces.append(_blocked(q[None, a:b], k[None, a:b], v[None, a:b], causal, scale, local, None, None,
-                                   block)[0])
+            rows.append(torch.arange(a, b))
+            outs.append(_blocked(q[None, a:b], k[None, a:b], v[None, a:b], causal, scale, local, None, None,
+                                 block)[0])
 
     for a, b in zip(bounds[:-1], bounds[1:]):
         if b - a >= block:
@@ -159,11 +166,28 @@ def _per_document(q_BShD, k_BShD, v_BShD, causal, scale, cu_seqlens, block):
             run = None
             qd, kd, vd = (t[a:b].transpose(0, 1)[None] for t in (q, k, v))  # [1 h L D]
             out = F.scaled_dot_product_attention(qd, kd, vd, is_causal=causal, scale=scale, enable_gqa=h != hkv)
-            pieces.append(out[0].transpose(0, 1))
+            rows.append(torch.arange(a, b))
+            outs.append(out[0].transpose(0, 1))
+        elif causal:
+            short.setdefault(min(-(-(b - a) // DOC_BUCKET) * DOC_BUCKET, block), []).append((a, b))
         else:
             run = [a, b] if run is None else [run[0], b]
     flush()
-    return torch.cat(pieces, dim=0).reshape(B, S, h, D)
+    if short:
+        pad = B * S  # the index of one zero row appended to q, k, v
+        qz, kz, vz = (torch.cat([t, t.new_zeros(1, *t.shape[1:])]) for t in (q, k, v))
+        for P, docs in sorted(short.items()):
+            first = torch.tensor([a for a, _ in docs])[:, None]
+            length = torch.tensor([b - a for a, b in docs])[:, None]
+            real = torch.arange(P)[None] < length  # [n P]
+            idx = torch.where(real, first + torch.arange(P)[None], pad)  # [n P]
+            dev_idx = idx.to(q.device)
+            qb, kb, vb = (t[dev_idx].transpose(1, 2) for t in (qz, kz, vz))  # [n h P D]
+            out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=h != hkv)
+            rows.append(idx[real])
+            outs.append(out.transpose(1, 2)[real.to(q.device)])  # [n_real h D]
+    order = torch.argsort(torch.cat(rows)).to(q.device)  # a permutation of the B*S tokens
+    return torch.cat(outs, dim=0)[order].reshape(B, S, h, D)
 
 
 def _blocked(q_BShD, k_BShD, v_BShD, causal, scale, cu_seqlens, window, sinks, block):

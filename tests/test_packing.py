@@ -118,11 +118,18 @@ def test_one_document_per_row_adds_no_boundaries():
     assert set(out) == {"input_ids", "labels", "position_ids"}
 
 
-@pytest.mark.parametrize("causal", [True, False])
-def test_long_documents_take_their_own_unmasked_call_and_stay_exact(causal, monkeypatch):
-    # block=4: the documents of 4, 5 and 7 tokens get one unmasked SDPA call each, the 3-token ones go through the
-    # masked block walk (alone, or as a run); the reference is every document's attention written out on its own
+@pytest.mark.parametrize("causal,block,bucket,calls", [
+    # block 4: the 4-, 5- and 7-token documents get a call each; causal, the two 3-token ones share one padded to 4
+    (True, 4, 128, [4, 4, 4, 5, 7]),
+    # block 6, buckets of 2: the 7 alone; the 5 padded to 6; the 4, 4, 3, 3 padded to 4, in one batched call
+    (True, 6, 2, [4, 6, 7]),
+    # not causal: the short ones take the masked block walk (pads would be seen)
+    (False, 4, 128, [4, 4, 5, 7]),
+])
+def test_long_documents_take_their_own_unmasked_call_and_stay_exact(causal, block, bucket, calls, monkeypatch):
+    # the reference is every document's attention written out on its own
     from ds_ulysses_ext import masks
+    monkeypatch.setattr(masks, "DOC_BUCKET", bucket)
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(2, 13, h, 8, dtype=torch.float64, generator=g).requires_grad_() for h in (4, 2, 2))
     pos = packed_batch()["position_ids"]
@@ -132,8 +139,8 @@ def test_long_documents_take_their_own_unmasked_call_and_stay_exact(causal, monk
     monkeypatch.setattr(masks.F, "scaled_dot_product_attention",
                         lambda *a, **kw: (unmasked.append(a[0].shape[2]) if kw.get("attn_mask") is None else None)
                         or real_sdpa(*a, **kw))
-    out = masks.masked_attention(q, k, v, causal=causal, cu_seqlens=cu, block=4)
-    assert sorted(unmasked) == [4, 4, 5, 7]
+    out = masks.masked_attention(q, k, v, causal=causal, cu_seqlens=cu, block=block)
+    assert sorted(unmasked) == calls
     grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
     ref = torch.zeros_like(out)
     for row, lengths in enumerate(DOCS):
