@@ -249,6 +249,11 @@ def _checked(kernel, device, dtype, D: int) -> bool:
             log.warning("ring attention: the fused %s kernel cannot run on %s in %s (%s); the ring runs the exact "
                         "torch block kernel", kernel.__name__, device, dtype, str(err).splitlines()[0][:200])
             return False
+        if tuple(lse.shape) != tuple(q.shape[:3]) or tuple(out.shape) != tuple(q.shape):
+            log.warning("ring attention: the fused %s kernel returns out %s / lse %s for q %s on %s, not the layout "
+                        "the ring merges; the ring runs the exact torch block kernel", kernel.__name__,
+                        tuple(out.shape), tuple(lse.shape), tuple(q.shape), device)
+            return False
         ref_out, ref_lse = _torch_block_forward(q, k, v, D ** -0.5, mask)
         delta = (dout.float() * ref_out).sum(-1)
         ref_grads = _torch_block_backward(q, k, v, dout, ref_lse, delta, D ** -0.5, mask)

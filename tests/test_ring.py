@@ -111,8 +111,16 @@ def test_a_fused_kernel_that_disagrees_is_refused_and_one_that_cannot_run_is_lef
         def forward(q, k, v, scale, is_causal):
             raise RuntimeError("no kernel image for this device")
 
+    class Padded(ring_mod._CpuFlash):  # a log-sum-exp padded past the query rows, as some kernels return it
+        @staticmethod
+        def forward(q, k, v, scale, is_causal):
+            out, lse = ring_mod._CpuFlash.forward(q, k, v, scale, is_causal)
+            return out, F.pad(lse, (0, 64))
+
     device = torch.device("cpu")
     assert ring_mod._checked(ring_mod._CpuFlash, device, torch.float32, 8) is True
+    assert ring_mod._checked(Padded, device, torch.float32, 8) is False
+    assert "the fused Padded kernel returns out (1, 2, 192, 8) / lse (1, 2, 256)" in caplog.text
     with pytest.raises(RuntimeError, match=r"fused Wrong kernel disagrees with the exact torch block kernel on cpu .*\(lse: error 1.0"):
         ring_mod._checked(Wrong, device, torch.float32, 8)
     assert ring_mod._checked(Broken, device, torch.float32, 8) is False
