@@ -8,6 +8,17 @@ from ds_ulysses_ext import CPCausalLM, shard_batch
 from ds_ulysses_ext.moe import moe_blocks
 
 
+def moe_batch(rows=4, S=13):
+    """(input_ids, labels, attention_mask): a right-padded row and masked leading labels, over a 96-token vocab."""
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 96, (rows, S), generator=g)
+    mask = torch.ones(rows, S, dtype=torch.long)
+    mask[1, 9:] = 0  # right padding
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, :3] = -100
+    return ids, labels, mask
+
+
 def _rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 

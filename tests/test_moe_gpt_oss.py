@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, GptOssConfig
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts, GptOssMLP
 
 from dist_harness import run_ranks
-from moe_check import assert_moe_split_matches
+from moe_check import assert_moe_split_matches, moe_batch
 from ds_ulysses_ext import UnsupportedError, enable_context_parallel, init_topology
 from ds_ulysses_ext.moe import AllToAllDispatcher, MoEBlock, MoEContext, moe_blocks
 from ds_ulysses_ext.moe.parallel import MoESettings, enable_expert_parallel, hf_moe_spec, replace_hf_blocks
@@ -259,16 +259,6 @@ def tiny_gpt_oss(seed=0):
     return model.train()
 
 
-def _batch(rows=4, S=13):
-    g = torch.Generator().manual_seed(5)
-    ids = torch.randint(0, 96, (rows, S), generator=g)
-    mask = torch.ones(rows, S, dtype=torch.long)
-    mask[1, 9:] = 0  # right padding
-    labels = ids.masked_fill(mask == 0, -100)
-    labels[:, :3] = -100
-    return ids, labels, mask
-
-
 def _reference_aux(router_logits, mask):
     """The per-sequence balance loss from HF's router logits (bias included): f_e = E/(k n) count_e, P_e the mean
     softmax over all E on the sequence's real tokens, the choice the top-k of the logits."""
@@ -286,7 +276,7 @@ def _reference_aux(router_logits, mask):
 
 def _reference():
     model = tiny_gpt_oss()
-    ids, labels, mask = _batch()
+    ids, labels, mask = moe_batch()
     out = model(input_ids=ids, output_router_logits=True, use_cache=False)
     ce = F.cross_entropy(out.logits[:, :-1].reshape(-1, 96), labels[:, 1:].reshape(-1), ignore_index=-100)
     aux = _reference_aux(out.router_logits, mask)
@@ -300,7 +290,7 @@ def _model_case(rank, world, cp, ep):
     model = enable_context_parallel(tiny_gpt_oss(), topo, backend="sdpa")
     enable_expert_parallel(model, topo, MoESettings(dispatcher="alltoall", aux_loss_coef=COEF))
     assert not any(isinstance(m, GptOssMLP) for m in model.modules()) and len(moe_blocks(model)) == 2
-    names = assert_moe_split_matches(model, topo, _batch(), COEF, ref_ce, ref_aux, ref_grads, MODEL_E, RTOL)
+    names = assert_moe_split_matches(model, topo, moe_batch(), COEF, ref_ce, ref_aux, ref_grads, MODEL_E, RTOL)
     assert names == set(ref_grads)  # every HF parameter, sinks and all biases, under HF's name
 
 
@@ -313,7 +303,7 @@ def test_model_experts_clip_and_the_balance_loss_counts():
     """The model reference exercises what the layout tests claim: the clamp clips in its MoE layers and the balance
     term moves the router gradient well past the tolerance."""
     model = tiny_gpt_oss()
-    ids, _, mask = _batch()
+    ids, _, mask = moe_batch()
     hits = []
     hook = model.model.layers[0].mlp.register_forward_pre_hook(
         lambda m, args: hits.append(_clamp_hits(m, args[0].detach().reshape(-1, 32))))

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from dist_harness import run_ranks
-from moe_check import assert_moe_split_matches
+from moe_check import assert_moe_split_matches, moe_batch
 from ds_ulysses_ext import enable_context_parallel, init_topology
 from ds_ulysses_ext.moe.parallel import MoESettings, enable_expert_parallel
 from tiny_models import tiny_model
@@ -22,16 +22,6 @@ RTOL = 1e-5
 COEF = 0.1  # large, so the balance loss moves the router gradient far beyond the tolerance
 E, K = 8, 2
 MOE = dict(num_experts=E, num_experts_per_tok=K, moe_intermediate_size=16, norm_topk_prob=True)
-
-
-def _batch(rows=4, S=13):
-    g = torch.Generator().manual_seed(5)
-    ids = torch.randint(0, 96, (rows, S), generator=g)
-    mask = torch.ones(rows, S, dtype=torch.long)
-    mask[1, 9:] = 0  # right padding
-    labels = ids.masked_fill(mask == 0, -100)
-    labels[:, :3] = -100
-    return ids, labels, mask
 
 
 def _reference_aux(router_logits, mask):
@@ -54,7 +44,7 @@ def _reference_aux(router_logits, mask):
 
 def _reference():
     model = tiny_model("qwen3_moe", **MOE)
-    ids, labels, mask = _batch()
+    ids, labels, mask = moe_batch()
     out = model(input_ids=ids, output_router_logits=True)
     logits = out.logits
     ce = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100)
@@ -68,7 +58,7 @@ def _check(rank, world, cp, ep):
     topo = init_topology(cp, ep_size=ep)
     model = enable_context_parallel(tiny_model("qwen3_moe", **MOE), topo, backend="sdpa")
     enable_expert_parallel(model, topo, MoESettings(dispatcher="alltoall", aux_loss_coef=COEF))
-    assert_moe_split_matches(model, topo, _batch(), COEF, ref_ce, ref_aux, ref_grads, E, RTOL)
+    assert_moe_split_matches(model, topo, moe_batch(), COEF, ref_ce, ref_aux, ref_grads, E, RTOL)
 
 
 @pytest.mark.parametrize("world,cp,ep", [(2, 2, 2), (2, 1, 2), (4, 2, 2), (4, 2, 4), (4, 4, 4), (4, 4, 1)])
@@ -79,7 +69,7 @@ def test_moe_model_cp_ep_matches_unsplit(world, cp, ep):
 def test_aux_loss_really_counts():
     """The reference's balance term is large enough to matter: the router gradient moves well past RTOL."""
     model = tiny_model("qwen3_moe", **MOE)
-    ids, _, mask = _batch()
+    ids, _, mask = moe_batch()
     out = model(input_ids=ids, output_router_logits=True)
     aux = _reference_aux(out.router_logits, mask)
     (COEF * aux).backward()

@@ -62,11 +62,9 @@ def test_ring_matches_full_attention(world, ring, hkv, causal):
     run_ranks(_check, world, ring, causal, hkv)
 
 
-def _check_fused(rank, world, ring, causal, hkv):
-    # the fused path (CPU's flash kernel standing in for CUDA's): every block of a plain ring is one whose visibility
-    # the kernel's is_causal flag says, so every block runs fused, forward and backward, and stays exact
+def _force_fused_on_cpu() -> dict:
+    """In this rank's process: the ring takes CPU's flash kernel for the blocks it can; counts its calls."""
     calls = {"forward": 0, "backward": 0}
-    fwd, bwd = ring_mod._CpuFlash.forward, ring_mod._CpuFlash.backward
 
     def count(name, fn):
         def call(*args):
@@ -75,7 +73,15 @@ def _check_fused(rank, world, ring, causal, hkv):
         return staticmethod(call)
 
     ring_mod.FUSED_ON_CPU = True
-    ring_mod._CpuFlash.forward, ring_mod._CpuFlash.backward = count("forward", fwd), count("backward", bwd)
+    flash = ring_mod._CpuFlash
+    flash.forward, flash.backward = count("forward", flash.forward), count("backward", flash.backward)
+    return calls
+
+
+def _check_fused(rank, world, ring, causal, hkv):
+    # the fused path (CPU's flash kernel standing in for CUDA's): every block of a plain ring is one whose visibility
+    # the kernel's is_causal flag says, so every block runs fused, forward and backward, and stays exact
+    calls = _force_fused_on_cpu()
     _check(rank, world, ring, causal, hkv)
     # causal: step 0 is the diagonal, every later step one all-visible half block; not causal: R full blocks
     assert calls == {"forward": ring, "backward": ring}, calls
@@ -407,17 +413,7 @@ def _check_fused_sinks(rank, world, ring):
     # sinks without documents or a window: the forward's blocks run fused; the backward must not (the fused kernel
     # derives the softmax row term from the output alone and would drop the sinks' log-sum-exp gradient)
     import torch.distributed as dist
-    calls = {"forward": 0, "backward": 0}
-    fwd, bwd = ring_mod._CpuFlash.forward, ring_mod._CpuFlash.backward
-
-    def count(name, fn):
-        def call(*args):
-            calls[name] += 1
-            return fn(*args)
-        return staticmethod(call)
-
-    ring_mod.FUSED_ON_CPU = True
-    ring_mod._CpuFlash.forward, ring_mod._CpuFlash.backward = count("forward", fwd), count("backward", bwd)
+    calls = _force_fused_on_cpu()
     topo = init_topology(world, ring_size=ring)
     q, k, v, dout = _inputs(16, 2, 16)
     sinks = torch.randn(4, generator=torch.Generator().manual_seed(9)) * 2
