@@ -43,6 +43,9 @@
 #                packed into 32k and 128k rows vs one sample per padded 16k row, real tokens/s through
 #                scripts/train.py (scripts/bench_packing.py; $PACK_ARGS: more arguments); $OUT/pack_sft.jsonl and
 #                the runs' folders under $OUT/pack_sft/. About 2-2.5 min
+#   gpu_tests    the suite's GPU-only tests (skipped on CPU): tests/test_gpu_paths.py (the fused ring kernel, the
+#                packed and sink SDPA paths, bf16 against exact references) and GPT-OSS's grouped_mm experts;
+#                the log is $OUT/gpu_tests.txt. Run it before measuring those paths
 #   bg_1m_start  the full 16-layer 1M step ($BG_POINT, default 1048576:long_context; $BG_ARGS: more bench_train
 #                arguments) in the background, through scripts/bench_bg.sh (BG=/tmp/bg1m), so it outlives the command
 #   bg_1m_wait   wait up to $WAIT_S (default 570) s for that run, then pack it into $OUT (scripts/bench_bg.sh wait);
@@ -99,6 +102,9 @@ for part in ${*:-attn train_short train_long}; do
     attn_features) python3 scripts/bench_attn_features.py --parts "${ATTN_PARTS:-ring,window}" --check --budget-s 15 \
                      --out "$OUT/attn_features.jsonl" ;;
     pack_sft) python3 scripts/bench_packing.py ${PACK_ARGS:-} ;;
+    gpu_tests) { python3 -m pytest -q -rs -p no:cacheprovider tests/test_gpu_paths.py
+                 python3 -m pytest -q -rs -p no:cacheprovider tests/test_moe_gpt_oss.py -k grouped; } 2>&1 \
+                 | tee "$OUT/gpu_tests.txt" | tail -30 ;;
     *) echo "unknown part $part" ;;
   esac
 done
