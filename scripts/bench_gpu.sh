@@ -43,6 +43,10 @@
 #                packed into 32k and 128k rows vs one sample per padded 16k row, real tokens/s through
 #                scripts/train.py (scripts/bench_packing.py; $PACK_ARGS: more arguments); $OUT/pack_sft.jsonl and
 #                the runs' folders under $OUT/pack_sft/. About 2-2.5 min
+#   passkey      the passkey curriculum's stage 1 on one GPU (experiment=llama1b_1gpu_passkey_1k, $PK_ARGS: more
+#                overrides) for $PK_MINUTES (default 8) minutes (trainer.max_minutes), then a checkpoint: calling it
+#                again on the warm machine resumes the same run. Its metrics.jsonl, retrieval.json and .png go
+#                to $OUT (docs/retrieval.md)
 #   gpu_tests    the suite's GPU-only tests (skipped on CPU): tests/test_gpu_paths.py (the fused ring kernel, the
 #                packed and sink SDPA paths, bf16 against exact references) and GPT-OSS's grouped_mm experts;
 #                the log is $OUT/gpu_tests.txt. Run it before measuring those paths
@@ -102,6 +106,12 @@ for part in ${*:-attn train_short train_long}; do
     attn_features) python3 scripts/bench_attn_features.py --parts "${ATTN_PARTS:-ring,window}" --check --budget-s 15 \
                      --out "$OUT/attn_features.jsonl" ;;
     pack_sft) python3 scripts/bench_packing.py ${PACK_ARGS:-} ;;
+    passkey) python3 -m torch.distributed.run --standalone --nproc_per_node=1 scripts/train.py \
+               experiment=llama1b_1gpu_passkey_1k trainer.max_minutes=${PK_MINUTES:-8} trainer.save_at_end=true \
+               logging.progress_bar=false ${PK_ARGS:-} > "$OUT/passkey.log" 2>&1; echo "passkey rc=$?"
+             for f in metrics.jsonl retrieval.json retrieval.png; do
+               cp outputs/llama1b_1gpu_passkey_1k/$f "$OUT/passkey_$f" 2>/dev/null; done
+             grep '"retrieval_acc"' "$OUT/passkey_metrics.jsonl" | cut -c1-200 | tail -5 ;;
     gpu_tests) { python3 -m pytest -q -rs -p no:cacheprovider tests/test_gpu_paths.py
                  python3 -m pytest -q -rs -p no:cacheprovider tests/test_moe_gpt_oss.py -k grouped; } 2>&1 \
                  | tee "$OUT/gpu_tests.txt" | tail -30 ;;
