@@ -446,8 +446,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ring_gr
         [B, s, Hq, D].
     """
     if backend not in ("auto", "sdpa"):
-        raise UnsupportedError(f"attention backend {backend!r} is not available inside ring attention (it runs an "
-                               "exact torch block kernel); set model.attn_backend=auto or parallelism.ring=1")
+        raise UnsupportedError(f"attention backend {backend!r} is not available inside ring attention (it runs torch's "
+                               "flash kernel or the exact torch block kernel per block); set model.attn_backend=auto "
+                               "or parallelism.ring=1")
     _log_kernel(backend)
     u = group_size(ulysses_group)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
