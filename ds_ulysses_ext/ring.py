@@ -24,7 +24,8 @@ the fp32 dK|dV accumulator of each share along with it; after R hops the accumul
 The dK|dV send of step t overlaps the kernel of step t + 1. Per hop: K|V in the input dtype plus dK|dV in fp32.
 
 The per-block kernel: on CUDA in bf16/fp16, torch's flash kernel with its log-sum-exp for every block whose
-visibility its is_causal flag says (no documents, no window: all of a causal zigzag ring's blocks), checked once
+visibility its is_causal flag says (no window: all of a causal zigzag ring's blocks; with packed documents, one
+call per document part of a block, _fused_parts), checked once
 against the torch kernel at first use (_checked); otherwise exact torch (fp32 logits, one [B h bq Lk] block of
 bq = QUERY_BLOCK rows at a time), which is the reference and what CPU runs. Its mask is built from GLOBAL positions (BlockMask):
 causal, packed documents (the global cu_seqlens shard_batch returns, as for Ulysses) and HF's sliding window, so
@@ -118,11 +119,15 @@ def block_forward(q, k, v, scale: float, mask: BlockMask):
     """Attention of q against one K|V block, with its log-sum-exp (-inf for a row that sees none of its keys)."""
     h = q.shape[1]
     k, v = _expand(k, h), _expand(v, h)
-    is_causal = _fused_flag(mask)
-    kernel = _fused_kernel(q) if is_causal is not None else None
-    if kernel is not None:
-        out, lse = kernel.forward(q, k, v, scale, is_causal)
-        return out.float(), lse.float()
+    parts = _fused_parts(q, mask)
+    if parts is not None:
+        kernel = _fused_kernel(q)
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+        for b, rows, keys, is_causal in parts:  # rows that see no key of this block stay at (0, -inf)
+            o, l = kernel.forward(q[b, :, rows], k[b, :, keys], v[b, :, keys], scale, is_causal)
+            out[b, :, rows], lse[b, :, rows] = o.float(), l.float()
+        return out, lse
     return _torch_block_forward(q, k, v, scale, mask)
 
 
@@ -142,11 +147,20 @@ def block_backward(q, k, v, dout, lse, delta, scale: float, mask: BlockMask, out
     """dq, dk, dv (fp32) of one block, from the MERGED log-sum-exp and delta = rowsum(dout * out) of the whole row
     (`out`: the merged output of these rows, which the fused kernel takes in place of delta)."""
     h, hkv = q.shape[1], k.shape[1]
-    is_causal = _fused_flag(mask) if out is not None else None
-    kernel = _fused_kernel(q) if is_causal is not None else None
-    if kernel is not None:
-        dq, dk, dv = kernel.backward(dout, q, _expand(k, h), _expand(v, h), out, lse, scale, is_causal)
-        return dq.float(), _fold(dk.float(), hkv), _fold(dv.float(), hkv)
+    parts = _fused_parts(q, mask) if out is not None else None
+    if parts is not None:
+        kernel = _fused_kernel(q)
+        ke, ve = _expand(k, h), _expand(v, h)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dk = torch.zeros(ke.shape, dtype=torch.float32, device=q.device)
+        dv = torch.zeros_like(dk)
+        for b, rows, keys, is_causal in parts:
+            g_q, g_k, g_v = kernel.backward(dout[b, :, rows], q[b, :, rows], ke[b, :, keys], ve[b, :, keys],
+                                            out[b, :, rows], lse[b, :, rows], scale, is_causal)
+            dq[b, :, rows] += g_q.float()
+            dk[b, :, keys] += g_k.float()
+            dv[b, :, keys] += g_v.float()
+        return dq, _fold(dk, hkv), _fold(dv, hkv)
     return _torch_block_backward(q, k, v, dout, lse, delta, scale, mask)
 
 
@@ -178,6 +192,41 @@ def _torch_block_backward(q, k, v, dout, lse, delta, scale: float, mask: BlockMa
 # log-sum-exp, which the public SDPA call does not return: that is why they are called directly, here only.
 
 FUSED_ON_CPU = False  # CPU runs the torch kernel (the reference); tests set this to check the fused path's logic
+
+
+def _fused_parts(q, mask: BlockMask):
+    """The fused kernel calls of one block: [(batch slice, query rows, key rows, is_causal)], or None when the fused
+    kernel is not available or some part of the block is a visibility no kernel flag says (then the torch kernel
+    runs the whole block). Without documents: the block itself, for every batch row at once. With documents: one
+    call per (batch row, document) that has both queries and keys here; both position lists increase, and a
+    document is an interval of positions, so its query rows and key rows are contiguous slices."""
+    if mask.window is not None or _fused_kernel(q) is None:
+        return None
+    if mask.doc is None:
+        flag = _fused_flag(mask)
+        return None if flag is None else [(slice(None), slice(None), slice(None), flag)]
+    parts = []
+    for b in range(mask.doc.shape[0]):
+        q_doc, k_doc = mask.doc[b, mask.q_pos], mask.doc[b, mask.k_pos]
+        q_ids, q_n = torch.unique_consecutive(q_doc, return_counts=True)
+        k_ids, k_n = torch.unique_consecutive(k_doc, return_counts=True)
+        k_span = {}
+        start = 0
+        for d, n in zip(k_ids.tolist(), k_n.tolist()):
+            k_span[d] = slice(start, start + n)
+            start += n
+        start = 0
+        for d, n in zip(q_ids.tolist(), q_n.tolist()):
+            rows = slice(start, start + n)
+            start += n
+            keys = k_span.get(d)
+            if keys is None:
+                continue  # this document has no key in the block
+            flag = _fused_flag(BlockMask(mask.causal, mask.q_pos[rows], mask.k_pos[keys]))
+            if flag is None:
+                return None
+            parts.append((slice(b, b + 1), rows, keys, flag))
+    return parts
 
 
 def _fused_flag(mask: BlockMask) -> Optional[bool]:

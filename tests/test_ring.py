@@ -434,3 +434,16 @@ def _check_fused_sinks(rank, world, ring):
 @pytest.mark.parametrize("world,ring", [(2, 2), (4, 2)])
 def test_fused_ring_with_sinks_keeps_the_exact_backward(world, ring):
     run_ranks(_check_fused_sinks, world, ring)
+
+
+def _check_fused_documents(rank, world, ring):
+    # packed documents cut the blocks: the fused path makes one call per (batch row, document) part of a block
+    calls = _force_fused_on_cpu()
+    _check_masked(rank, world, ring, None, False)
+    # the same parts forward and backward; at least one per ring step and batch row that sees keys
+    assert calls["forward"] >= ring and calls["backward"] == calls["forward"], calls
+
+
+@pytest.mark.parametrize("world,ring", [(2, 2), (4, 4), (4, 2)])
+def test_fused_ring_with_documents_matches_the_torch_path(world, ring):
+    run_ranks(_check_fused_documents, world, ring)
