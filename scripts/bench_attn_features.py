@@ -271,6 +271,10 @@ def part_ring(args, q, k, v, dout, anchor, base):
         emit(args, dict(base, part="ring", ring=R, anchor="sdpa full causal, one call",
                         anchor_ms=ms(med["anchor"]),
                         anchor_tflops=ratio(causal_flops(S, args.hq, args.head_dim) / 1e12, med["anchor"]),
+                        # "ring_torch" is ring.py as shipped: its block kernel is torch's flash kernel where the
+                        # fused path takes the blocks (CUDA bf16/fp16, checked at first use), else the torch kernel
+                        ring_block_kernel=("fused flash" if ring_mod._fused_kernel(qr) is not None
+                                           else "exact torch"),
                         ring_torch_ranks_run=len(ranks), ring_torch_ms_measured=ms(med["ring_torch"]),
                         ring_torch_ms_all_ranks=ms(torch_all), ring_torch_overhead_pct=pct(torch_all, med["anchor"]),
                         # the torch kernel computes step 0's share block whole (masked) and each later half block:
