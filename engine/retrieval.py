@@ -57,11 +57,15 @@ def grid(lengths: Sequence[int], depths: Sequence[float]) -> list[tuple[int, flo
 def score_retrieval(model, task: PasskeyTask, seed: int, lengths: Sequence[int], depths: Sequence[float],
                     per_cell: int, topo: Topology, dp: int, micro_batch_size: int, pad_id: int,
                     device: torch.device) -> dict:
-    """{"cells": [{"length", "depth", "accuracy", "samples"}, ...], "mean_accuracy"}, the same on every rank.
+    """{"cells": [{"length", "depth", "accuracy", "token_accuracy", "samples"}, ...], "mean_accuracy",
+    "mean_token_accuracy"}, the same on every rank.
 
     `model` is a DeepSpeed engine around a CPCausalLM, or the CPCausalLM itself."""
     cells = grid(lengths, depths)
-    right = torch.zeros(len(cells), dtype=torch.float64, device=device)
+    # per cell: samples retrieved whole, and answer tokens right / counted (the token accuracy shows a copy that
+    # is forming before whole answers come out right)
+    right, tokens = (torch.zeros(len(cells), dtype=torch.float64, device=device) for _ in range(2))
+    tokens_right = torch.zeros(len(cells), dtype=torch.float64, device=device)
     lm = getattr(model, "module", model)
     model.eval()
     try:
@@ -82,12 +86,17 @@ def score_retrieval(model, task: PasskeyTask, seed: int, lengths: Sequence[int],
                     for row, it in enumerate(idx):
                         if it is not None:
                             right[it[0]] += ok[row]
+                            tokens_right[it[0]] += hits[row]
+                            tokens[it[0]] += counts[row]
     finally:
         model.train()
-    dist.all_reduce(right)
-    acc = (right / per_cell).tolist()
-    out = [{"length": L, "depth": d, "accuracy": a, "samples": per_cell} for (L, d), a in zip(cells, acc)]
-    return {"cells": out, "mean_accuracy": sum(acc) / len(acc)}
+    sums = torch.stack([right, tokens_right, tokens])
+    dist.all_reduce(sums)
+    acc = (sums[0] / per_cell).tolist()
+    tok = (sums[1] / sums[2].clamp_min(1)).tolist()
+    out = [{"length": L, "depth": d, "accuracy": a, "token_accuracy": t, "samples": per_cell}
+           for (L, d), a, t in zip(cells, acc, tok)]
+    return {"cells": out, "mean_accuracy": sum(acc) / len(acc), "mean_token_accuracy": sum(tok) / len(tok)}
 
 
 def write_retrieval(result: dict, out_dir: Path, title: str = "") -> tuple[Path, Path]:
@@ -143,7 +152,7 @@ def eval_grid_of(data_cfg) -> tuple[list[int], list[float], int]:
     return lengths, [float(d) for d in p.eval_depths], p.eval_samples_per_cell
 
 
-def log_retrieval(engine, tokenizer, cfg, plan, topo: Topology, pad_id: int, rt, tracker, step: int) -> float:
+def log_retrieval(engine, tokenizer, cfg, plan, topo: Topology, pad_id: int, rt, tracker, step: int) -> dict:
     """trainer.eval_every on data=passkey: score the grid, write retrieval.json + .png (overwritten at each
     evaluation, so the run ends with its last step's), and send the heatmap to W&B when it is on."""
     task = PasskeyTask(cfg.data.passkey, tokenizer, cfg.data.path)  # the training task's own settings
@@ -160,4 +169,4 @@ def log_retrieval(engine, tokenizer, cfg, plan, topo: Topology, pad_id: int, rt,
             fig = heatmap_figure(result, f"step {step}")
             tracker.wandb_run.log({"retrieval_heatmap": wandb.Image(fig)}, step=step)
             plt.close(fig)
-    return result["mean_accuracy"]
+    return result

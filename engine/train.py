@@ -141,8 +141,9 @@ def train(cfg: TrainConfig, plan: Plan, rt: Runtime) -> dict:
                     engine, eval_data, eval_indices, topo, plan.dp, plan.micro_batch_size,
                     cfg.data.seq_len, pad_id, rt.device)
                 if cfg.data.source == "passkey":  # the held-out grid's exact match, and its heatmap
-                    record["retrieval_acc"] = log_retrieval(engine, tokenizer, cfg, plan, topo, pad_id, rt,
-                                                            tracker, step + 1)
+                    scored = log_retrieval(engine, tokenizer, cfg, plan, topo, pad_id, rt, tracker, step + 1)
+                    record["retrieval_acc"] = scored["mean_accuracy"]
+                    record["retrieval_token_acc"] = scored["mean_token_accuracy"]
                 record["eval_time_s"] = time.perf_counter() - t_eval
             tracker.log(record)
             if fatal:  # logged first, so the bad step is on record; raised before any save

@@ -190,10 +190,15 @@ def _score_on_rank(rank, world, cp, out_dir):
     rigged = RiggedTask(PasskeyTask(KEY80, load_tokenizer(DEMO_TOKENIZER)), unsplit)
     expected = [sum(RiggedTask.right(grid_sample(rigged.task, 0, L, d, j)) for j in range(PER_CELL)) / PER_CELL
                 for L in LENGTHS for d in DEPTHS]
+    # token accuracy: a wrong sample has exactly one of its L - answer_start answer tokens changed
+    samples = [[grid_sample(rigged.task, 0, L, d, j) for j in range(PER_CELL)] for L in LENGTHS for d in DEPTHS]
+    expected_tokens = [1 - sum(not RiggedTask.right(x) for x in cell) / sum(len(x.input_ids) - x.answer_start
+                                                                            for x in cell) for cell in samples]
     lm = CPCausalLM(enable_context_parallel(hf, topo))
     got = score_retrieval(lm, rigged, 0, LENGTHS, DEPTHS, PER_CELL, topo, world // cp, 2, 0, torch.device("cpu"))
     if rank == 0:
-        (Path(out_dir) / f"w{world}_cp{cp}.json").write_text(json.dumps({"got": got, "expected": expected}))
+        (Path(out_dir) / f"w{world}_cp{cp}.json").write_text(json.dumps({"got": got, "expected": expected,
+                                                                          "expected_tokens": expected_tokens}))
 
 
 def test_the_score_is_the_same_at_cp_1_2_and_4_and_right_sample_by_sample(tmp_path):
@@ -207,6 +212,8 @@ def test_the_score_is_the_same_at_cp_1_2_and_4_and_right_sample_by_sample(tmp_pa
         assert [c["accuracy"] for c in r["got"]["cells"]] == expected
         assert [(c["length"], c["depth"]) for c in r["got"]["cells"]] == [(L, d) for L in LENGTHS for d in DEPTHS]
         assert r["got"]["mean_accuracy"] == pytest.approx(sum(expected) / len(expected), abs=1e-12)
+        assert [c["token_accuracy"] for c in r["got"]["cells"]] == pytest.approx(r["expected_tokens"], abs=1e-12)
+    assert min(results[0]["expected_tokens"]) < 1
 
 
 def test_teacher_forced_exact_match_agrees_with_greedy_generate():
