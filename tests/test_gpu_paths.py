@@ -86,3 +86,43 @@ def test_sinks_through_sdpa_match_the_definition():
     full = torch.cat([logits, sinks.double()[:, None, None].expand(h, S, 1)], dim=-1).softmax(-1)[..., :-1]
     ref = (full @ vd).transpose(0, 1)[None]
     assert _rel(out, ref) < TOL
+
+
+def test_fused_ring_with_packed_documents_reassembles_exact_attention(monkeypatch):
+    # the whole simulated ring of 2 ranks with packed documents: one fused call per document part of each block
+    import ds_ulysses_ext.ring as ring_mod
+    from bench_attn_features import OneGpuRing, kv_shares
+    from ds_ulysses_ext.masks import cu_seqlens_of, document_ids, masked_attention
+    R, S, D = 2, 4096, 64
+    lengths = [1000, 37, 1500, 600, 959]  # documents that cross the zigzag chunks
+    assert ring_mod._checked(ring_mod._CudaFlash, torch.device("cuda", torch.cuda.current_device()), torch.bfloat16,
+                             D), "the fused kernel was left out: see the log line that says why"
+    calls = []
+    real = ring_mod._CudaFlash.forward
+    monkeypatch.setattr(ring_mod._CudaFlash, "forward", staticmethod(lambda *a: calls.append(1) or real(*a)))
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q, dout = (torch.randn(1, 8, S, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    k, v = (torch.randn(1, 2, S, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    cu = cu_seqlens_of(torch.cat([torch.arange(n) for n in lengths])[None].cuda())
+    qf, kf, vf = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = masked_attention(*(t.transpose(1, 2) for t in (qf, kf, vf)), causal=True, cu_seqlens=cu).transpose(1, 2)
+    ref.backward(dout.double())
+    all_pos = torch.arange(S, device="cuda")
+    doc = document_ids(cu, 1, S)
+    shares = kv_shares(k, v, R)
+    out, dq = torch.zeros_like(ref), torch.zeros_like(qf)
+    dkv = torch.zeros(kf.shape[:3] + (2 * D,), dtype=torch.float64, device="cuda")
+    for r in range(R):
+        idx = ring_mod.share_positions(all_pos, R, r)
+        mask = ring_mod.BlockMask(True, idx, all_pos, doc, None)
+        qr, kr, vr, dr = (t[:, :, idx].contiguous() for t in (q, k, v, dout))
+        o, lse = ring_mod._ring_forward(qr, kr, vr, D ** -0.5, mask, OneGpuRing(r, R, shares, False))
+        bwd = OneGpuRing(r, R, shares, True, keep=True)
+        g_q, _, _ = ring_mod._ring_backward(qr, kr, vr, o.to(q.dtype), lse, dr, None, D ** -0.5, mask, bwd)
+        out[:, :, idx], dq[:, :, idx] = o.double(), g_q.double()
+        for src, acc in bwd.sent:
+            dkv[:, :, ring_mod.share_positions(all_pos, R, src)] += acc.double()
+    for name, got, want in (("out", out, ref.detach()), ("dq", dq, qf.grad), ("dk", dkv[..., :D], kf.grad),
+                            ("dv", dkv[..., D:], vf.grad)):
+        assert _rel(got, want) < TOL, (name, _rel(got, want))
+    assert len(calls) > R * R  # the fused path took the blocks, in more than one part where documents meet
