@@ -25,20 +25,32 @@ def _rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-@pytest.mark.parametrize("R", [2, 4])
-def test_fused_ring_blocks_reassemble_exact_attention(R, monkeypatch):
-    import ds_ulysses_ext.ring as ring_mod
-    from bench_attn_features import check_ring
-    S, D = 4096, 64
-    # the once-per-process check against the torch kernel first (it must pass), then count the ring's own calls
+def _count_fused_calls(ring_mod, D, monkeypatch) -> list:
+    """The once-per-process check of the fused kernel against the torch kernel first (it must pass); then a list
+    that grows by one per fused forward call of the ring."""
     assert ring_mod._checked(ring_mod._CudaFlash, torch.device("cuda", torch.cuda.current_device()), torch.bfloat16,
                              D), "the fused kernel was left out: see the log line that says why"
     calls = []
     real = ring_mod._CudaFlash.forward
     monkeypatch.setattr(ring_mod._CudaFlash, "forward", staticmethod(lambda *a: calls.append(1) or real(*a)))
-    g = torch.Generator(device="cuda").manual_seed(0)
+    return calls
+
+
+def _ring_inputs(S, D, seed):
+    """q, k, v, dout in ring.py's [B h S D] layout: 8 query heads over 2 KV heads, bf16."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
     q, dout = (torch.randn(1, 8, S, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
     k, v = (torch.randn(1, 2, S, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    return q, k, v, dout
+
+
+@pytest.mark.parametrize("R", [2, 4])
+def test_fused_ring_blocks_reassemble_exact_attention(R, monkeypatch):
+    import ds_ulysses_ext.ring as ring_mod
+    from bench_attn_features import check_ring
+    S, D = 4096, 64
+    calls = _count_fused_calls(ring_mod, D, monkeypatch)
+    q, k, v, dout = _ring_inputs(S, D, seed=0)
     rels = check_ring(q, k, v, dout, R, None, rtol=TOL)
     assert len(calls) == R * R, (calls, rels)  # every rank's every step ran fused
 
@@ -95,14 +107,8 @@ def test_fused_ring_with_packed_documents_reassembles_exact_attention(monkeypatc
     from ds_ulysses_ext.masks import cu_seqlens_of, document_ids, masked_attention
     R, S, D = 2, 4096, 64
     lengths = [1000, 37, 1500, 600, 959]  # documents that cross the zigzag chunks
-    assert ring_mod._checked(ring_mod._CudaFlash, torch.device("cuda", torch.cuda.current_device()), torch.bfloat16,
-                             D), "the fused kernel was left out: see the log line that says why"
-    calls = []
-    real = ring_mod._CudaFlash.forward
-    monkeypatch.setattr(ring_mod._CudaFlash, "forward", staticmethod(lambda *a: calls.append(1) or real(*a)))
-    g = torch.Generator(device="cuda").manual_seed(3)
-    q, dout = (torch.randn(1, 8, S, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
-    k, v = (torch.randn(1, 2, S, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    calls = _count_fused_calls(ring_mod, D, monkeypatch)
+    q, k, v, dout = _ring_inputs(S, D, seed=3)
     cu = cu_seqlens_of(torch.cat([torch.arange(n) for n in lengths])[None].cuda())
     qf, kf, vf = (t.detach().double().requires_grad_() for t in (q, k, v))
     ref = masked_attention(*(t.transpose(1, 2) for t in (qf, kf, vf)), causal=True, cu_seqlens=cu).transpose(1, 2)
