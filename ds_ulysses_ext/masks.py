@@ -150,17 +150,19 @@ def _per_document(q_BShD, k_BShD, v_BShD, causal, scale, cu_seqlens, block):
     q, k, v = (t.reshape(B * S, t.shape[2], D) for t in (q_BShD, k_BShD, v_BShD))  # [B*S h D], views
     bounds = cu_seqlens.tolist()  # one host copy per call
     rows, outs = [], []  # token indices (host) and their outputs, piece by piece
-    short, run = {}, None  # causal: padded length -> its documents; not causal: the pending run [first, last]
+    # causal: padded length -> its documents; not causal: the pending run's first and last document (indices)
+    short, run = {}, None
 
     def flush():
         if run is not None:
-            a, b = run
-            local = torch.tensor([x - a for x in bounds if a <= x <= b], dtype=torch.int32, device=q.device)
+            first, last = run
+            a, b = bounds[first], bounds[last + 1]
+            local = torch.tensor([x - a for x in bounds[first:last + 2]], dtype=torch.int32, device=q.device)
             rows.append(torch.arange(a, b))
             outs.append(_blocked(q[None, a:b], k[None, a:b], v[None, a:b], causal, scale, local, None, None,
                                  block)[0])
 
-    for a, b in zip(bounds[:-1], bounds[1:]):
+    for n, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
         if b - a >= block:
             flush()
             run = None
@@ -171,7 +173,7 @@ def _per_document(q_BShD, k_BShD, v_BShD, causal, scale, cu_seqlens, block):
         elif causal:
             short.setdefault(min(-(-(b - a) // DOC_BUCKET) * DOC_BUCKET, block), []).append((a, b))
         else:
-            run = [a, b] if run is None else [run[0], b]
+            run = (n, n) if run is None else (run[0], n)
     flush()
     if short:
         pad = B * S  # the index of one zero row appended to q, k, v

@@ -120,6 +120,9 @@ def block_forward(q, k, v, scale: float, mask: BlockMask):
     h = q.shape[1]
     k, v = _expand(k, h), _expand(v, h)
     parts = _fused_parts(q, mask)
+    if parts is not None and mask.doc is None:  # one call covers the block: no buffers to fill
+        out, lse = _fused_kernel(q).forward(q, k, v, scale, parts[0][3])
+        return out.float(), lse.float()
     if parts is not None:
         kernel = _fused_kernel(q)
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -148,6 +151,9 @@ def block_backward(q, k, v, dout, lse, delta, scale: float, mask: BlockMask, out
     (`out`: the merged output of these rows, which the fused kernel takes in place of delta)."""
     h, hkv = q.shape[1], k.shape[1]
     parts = _fused_parts(q, mask) if out is not None else None
+    if parts is not None and mask.doc is None:  # one call covers the block
+        dq, dk, dv = _fused_kernel(q).backward(dout, q, _expand(k, h), _expand(v, h), out, lse, scale, parts[0][3])
+        return dq.float(), _fold(dk.float(), hkv), _fold(dv.float(), hkv)
     if parts is not None:
         kernel = _fused_kernel(q)
         ke, ve = _expand(k, h), _expand(v, h)

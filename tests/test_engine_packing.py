@@ -17,11 +17,16 @@ def _docs(path):
             f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(3, 29)))}) + "\n")
 
 
-def test_packed_runs_match_across_layouts(tmp_path):
+def packed_overrides(tmp_path) -> list:
+    """The documents written to tmp_path, and the overrides that pack them into 48-token rows for 3 steps."""
     _docs(tmp_path / "docs.jsonl")
-    extra = ["data=jsonl", f"data.path={tmp_path / 'docs.jsonl'}",
-             f"data.tokenizer_path={ROOT / 'engine' / 'demo_data' / 'tokenizer'}", "data.seq_len=48", "data.pack=true",
-             "trainer.max_steps=3"]
+    return ["data=jsonl", f"data.path={tmp_path / 'docs.jsonl'}",
+            f"data.tokenizer_path={ROOT / 'engine' / 'demo_data' / 'tokenizer'}", "data.seq_len=48", "data.pack=true",
+            "trainer.max_steps=3"]
+
+
+def test_packed_runs_match_across_layouts(tmp_path):
+    extra = packed_overrides(tmp_path)
     ref = train(tmp_path, "w1", 1, extra + ["parallelism.cp=1"])
     assert len({r["loss"] for r in ref}) == 3
     assert_same_trajectory(train(tmp_path, "w2_cp2", 2, extra + ["parallelism.cp=2"]), ref, "packed, w2 cp2")

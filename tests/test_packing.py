@@ -66,9 +66,10 @@ def reference_packed_row(family, **overrides):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _check_packed(rank, world, family, overrides):
+def _check_packed(rank, world, family, overrides, ring=1):
+    # ring > 1: the CP group is Ulysses groups of world / ring ranks times a ring (tests/test_ring.py)
     refs = [reference_per_document(family, **overrides), reference_packed_row(family, **overrides)]
-    topo = init_topology(world)
+    topo = init_topology(world, ring_size=ring)
     model = enable_context_parallel(tiny_model(family, **overrides), topo, backend="sdpa")
     loss, grads = cp_loss_and_grads(model, topo, packed_batch())
     for what, (ref_loss, ref_grads) in zip(("per document", "packed row"), refs):

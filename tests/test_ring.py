@@ -322,29 +322,15 @@ def test_ring_documents_window_sinks_match_the_torch_path(world, ring, window, w
     run_ranks(_check_masked, world, ring, window, with_sinks)
 
 
-def _packed_model_check(rank, world, family, ring, overrides):
-    from cp_reference import cp_loss_and_grads, rel
-    from ds_ulysses_ext import enable_context_parallel
-    from test_packing import packed_batch, reference_packed_row, reference_per_document
-    from tiny_models import tiny_model
-    refs = [reference_per_document(family, **overrides), reference_packed_row(family, **overrides)]
-    topo = init_topology(world, ring_size=ring)
-    model = enable_context_parallel(tiny_model(family, **overrides), topo, backend="sdpa")
-    loss, grads = cp_loss_and_grads(model, topo, packed_batch())
-    for what, (ref_loss, ref_grads) in zip(("per document", "packed row"), refs):
-        assert rel(loss, ref_loss) < RTOL, (what, loss, ref_loss)
-        for name, g in grads.items():
-            assert rel(g, ref_grads[name]) < RTOL, (what, name, rel(g, ref_grads[name]))
-
-
 @pytest.mark.parametrize("world,ring", [(2, 2), (4, 2)])
 def test_packed_rows_under_the_ring_match_each_document_alone(world, ring):
-    run_ranks(_packed_model_check, world, "llama", ring, {})
+    from test_packing import _check_packed
+    run_ranks(_check_packed, world, "llama", {}, ring)
 
 
 def test_packed_rows_with_a_window_under_the_hybrid():
-    run_ranks(_packed_model_check, 4, "qwen3", 2, {"use_sliding_window": True, "sliding_window": 3,
-                                                  "max_window_layers": 1})
+    from test_packing import _check_packed
+    run_ranks(_check_packed, 4, "qwen3", {"use_sliding_window": True, "sliding_window": 3, "max_window_layers": 1}, 2)
 
 
 def _windowed_model_check(rank, world, family, ring):

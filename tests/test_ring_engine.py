@@ -68,12 +68,8 @@ def test_ring_refusals_by_config():
 
 
 def test_packed_rows_under_the_hybrid_match_single_process(tmp_path):
-    from test_engine_packing import _docs
-    from test_engine import ROOT
-    _docs(tmp_path / "docs.jsonl")
-    extra = ["data=jsonl", f"data.path={tmp_path / 'docs.jsonl'}",
-             f"data.tokenizer_path={ROOT / 'engine' / 'demo_data' / 'tokenizer'}", "data.seq_len=48", "data.pack=true",
-             "trainer.max_steps=3"]
+    from test_engine_packing import packed_overrides
+    extra = packed_overrides(tmp_path)
     ref = train(tmp_path, "w1", 1, extra + ["parallelism.cp=1"])
     assert len({r["loss"] for r in ref}) == 3
     got = train(tmp_path, "w4_cp4_ring2", 4, extra + ["parallelism.cp=4", "parallelism.ring=2"])
