@@ -269,12 +269,14 @@ class _CudaFlash:
 
     @staticmethod
     def backward(dout, q, k, v, out, lse, scale, is_causal):
-        # no dropout: the random-state arguments are unused; dense (not varlen): no cumulative lengths
+        # The arguments as the op's own forward hands them to autograd in the dense, dropout-free case: no
+        # cumulative lengths (None, an undefined tensor: a defined one selects the varlen kernel, which asks for
+        # int32 offsets; measured on the H200) and 0-dim CPU int64 random-state tensors that dropout 0 never reads
         Lq, Lk = q.shape[2], k.shape[2]
-        none = torch.empty(0, dtype=torch.int64, device=q.device)
+        seed, offset = (torch.empty((), dtype=torch.int64) for _ in range(2))
         return torch.ops.aten._scaled_dot_product_flash_attention_backward(
             dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.to(q.dtype).contiguous(),
-            lse.float().contiguous(), none, none, Lq, Lk, 0.0, is_causal, none, none, scale=scale)
+            lse.float().contiguous(), None, None, Lq, Lk, 0.0, is_causal, seed, offset, scale=scale)
 
 
 def _fused_kernel(q):

@@ -203,7 +203,7 @@ def test_grouped_mm_path_in_bf16_matches_the_loop(layout, recompute):
         m = GroupedExperts(El, D, I_, recompute if dtype == torch.bfloat16 else "none", 3, **opts)
         m.load_state_dict(weights)
         m = m.cuda().to(dtype)
-        xi = x.to(dtype).requires_grad_()
+        xi = x.detach().to(dtype).requires_grad_()  # a leaf of its own: the fp32 run's .to() returns x itself
         calls, real, ok, layouts = [], torch._grouped_mm, experts_module._grouped_mm_ok, experts_module.GROUPED_LAYOUTS
         torch._grouped_mm = lambda *a, **k: calls.append(1) or real(*a, **k)
         experts_module._grouped_mm_ok = ok if grouped else (lambda *a: False)
