@@ -43,10 +43,11 @@
 #                packed into 32k and 128k rows vs one sample per padded 16k row, real tokens/s through
 #                scripts/train.py (scripts/bench_packing.py; $PACK_ARGS: more arguments); $OUT/pack_sft.jsonl and
 #                the runs' folders under $OUT/pack_sft/. About 2-2.5 min
-#   passkey      the passkey curriculum's stage 1 on one GPU (experiment=llama1b_1gpu_passkey_1k, $PK_ARGS: more
-#                overrides) for $PK_MINUTES (default 8) minutes (trainer.max_minutes), then a checkpoint: calling it
-#                again on the warm machine resumes the same run. Its metrics.jsonl, retrieval.json and .png go
-#                to $OUT (docs/retrieval.md)
+#   passkey      the passkey curriculum on one GPU (docs/retrieval.md): the stages of $PK_STAGES in order, each
+#                `stage:minutes` (default "256:1.5 1k:2.3 32k:4"; then "128k:3.2" in a second call, as the
+#                machine keeps outputs/ while warm), experiment=llama1b_1gpu_passkey_<stage> cut by
+#                trainer.max_minutes, each reading the previous stage's export; $PK_ARGS: more overrides for every
+#                stage. Each stage's metrics.jsonl, retrieval.json and .png go to $OUT as one tar (fewer files)
 #   gpu_tests    the suite's GPU-only tests (skipped on CPU): tests/test_gpu_paths.py (the fused ring kernel, the
 #                packed and sink SDPA paths, bf16 against exact references) and GPT-OSS's grouped_mm experts;
 #                the log is $OUT/gpu_tests.txt. Run it before measuring those paths
@@ -106,12 +107,14 @@ for part in ${*:-attn train_short train_long}; do
     attn_features) python3 scripts/bench_attn_features.py --parts "${ATTN_PARTS:-ring,window}" --check --budget-s 15 \
                      --out "$OUT/attn_features.jsonl" ;;
     pack_sft) python3 scripts/bench_packing.py ${PACK_ARGS:-} ;;
-    passkey) python3 -m torch.distributed.run --standalone --nproc_per_node=1 scripts/train.py \
-               experiment=llama1b_1gpu_passkey_1k trainer.max_minutes=${PK_MINUTES:-8} trainer.save_at_end=true \
-               logging.progress_bar=false ${PK_ARGS:-} > "$OUT/passkey.log" 2>&1; echo "passkey rc=$?"
-             for f in metrics.jsonl retrieval.json retrieval.png; do
-               cp outputs/llama1b_1gpu_passkey_1k/$f "$OUT/passkey_$f" 2>/dev/null; done
-             grep '"retrieval_acc"' "$OUT/passkey_metrics.jsonl" | cut -c1-200 | tail -5 ;;
+    passkey) for st in ${PK_STAGES:-256:1.5 1k:2.3 32k:4}; do
+               name=llama1b_1gpu_passkey_${st%%:*}
+               python3 -m torch.distributed.run --standalone --nproc_per_node=1 scripts/train.py experiment=$name \
+                 trainer.max_minutes=${st##*:} logging.progress_bar=false ${PK_ARGS:-} > "$OUT/$name.log" 2>&1
+               echo "$name rc=$?"; grep -h '"retrieval_acc"' outputs/$name/metrics.jsonl | cut -c1-120 | tail -3
+               tar cf "$OUT/$name.tar" -C outputs $name/metrics.jsonl $name/retrieval.json $name/retrieval.png \
+                 $name/config.json 2>/dev/null
+             done ;;
     gpu_tests) { python3 -m pytest -q -rs -p no:cacheprovider tests/test_gpu_paths.py
                  python3 -m pytest -q -rs -p no:cacheprovider tests/test_moe_gpt_oss.py -k grouped; } 2>&1 \
                  | tee "$OUT/gpu_tests.txt" | tail -30 ;;
