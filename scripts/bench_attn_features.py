@@ -243,6 +243,15 @@ def sdp_choice(q_BhSD, k_BhSD, mask=None, causal=True):
         return f"n/a ({type(e).__name__})"
 
 
+def window_block_kernel(q_BShD, k_BShD, bq, w, with_sinks):
+    qb, kb = q_BShD[:, :bq].transpose(1, 2), k_BShD[:, :min(q_BShD.shape[1], bq + w - 1)].transpose(1, 2)
+    if with_sinks:
+        Dp = -(-(qb.shape[-1] + 1) // 8) * 8
+        qb, kb = F.pad(qb, (0, Dp - qb.shape[-1])), F.pad(kb, (0, Dp - kb.shape[-1], 0, 1))
+    mask = torch.ones(1, 1, qb.shape[2], kb.shape[2], dtype=torch.bool, device=qb.device)
+    return ("sink key + " if with_sinks else "") + sdp_choice(qb, kb, mask)
+
+
 def causal_flops(S, hq, D):
     return 3.5 * 2 * 2 * hq * S * S * D / 2  # causal forward (QK^T and PV) + 2.5x for backward, bench_attention's
 
@@ -316,10 +325,9 @@ def part_window(args, leaves, anchor, base):
                         anchor_ms=ms(med["anchor"]), window_ms=ms(med[name]),
                         speedup_vs_full=ratio(med["anchor"], med[name]),
                         # the kernel SDPA takes for one full query block of the torch path (bool mask, key span
-                        # bq + w - 1); the sinks variant runs an explicit fp32 softmax instead
-                        block_kernel="explicit softmax" if with_sinks else sdp_choice(
-                            qs[:, :bq].transpose(1, 2), ks[:, :min(S, bq + w - 1)].transpose(1, 2),
-                            torch.ones(1, 1, bq, min(S, bq + w - 1), dtype=torch.bool, device=qs.device)),
+                        # bq + w - 1); with sinks, the same block as masks.py's sink operands make it (head dim
+                        # padded to a multiple of 8, one more key)
+                        block_kernel=window_block_kernel(qs, ks, bq, w, with_sinks),
                         # keys a query sees at most: min(q + 1, window); the visible pairs against the causal triangle
                         visible_pairs_vs_causal=min(1.0, (w * S - w * (w - 1) / 2) / (S * (S + 1) / 2)),
                         reps=len(times.get(name, [])), warmup_ms=ms(warm.get(name)), error=errors.get(name),
