@@ -50,7 +50,8 @@
 #                stage. Each stage's metrics.jsonl, retrieval.json and .png go to $OUT as one tar (fewer files)
 #   gpu_tests    the suite's GPU-only tests (skipped on CPU): tests/test_gpu_paths.py (the fused ring kernel, the
 #                packed and sink SDPA paths, bf16 against exact references) and GPT-OSS's grouped_mm experts;
-#                the log is $OUT/gpu_tests.txt. Run it before measuring those paths
+#                the log is $OUT/gpu_tests.txt. Run it before measuring those paths. After site_fa4 site_cu13
+#                (the FA4 recipe below) it also checks FA4's varlen, window and sink arguments
 #   bg_1m_start  the full 16-layer 1M step ($BG_POINT, default 1048576:long_context; $BG_ARGS: more bench_train
 #                arguments) in the background, through scripts/bench_bg.sh (BG=/tmp/bg1m), so it outlives the command
 #   bg_1m_wait   wait up to $WAIT_S (default 570) s for that run, then pack it into $OUT (scripts/bench_bg.sh wait);

@@ -5,7 +5,8 @@ to ~1e-3 in practice). Each test also checks that the fast path really ran.
 - ring: the fused block kernel (torch's flash attention with its log-sum-exp) inside a whole simulated ring of
   2 and 4 ranks on one GPU (scripts/bench_attn_features.py's simulation), against fp64 full attention;
 - packing: long documents' own calls and the short ones' padded, batched causal calls (masks.py);
-- sinks: the SDPA sink path (masks.py) against the dense definition.
+- sinks: the SDPA sink path (masks.py) against the dense definition;
+- flash-attn's and FA4's documents / window / sinks arguments (backends.py), where installed.
 """
 import sys
 from pathlib import Path
@@ -132,3 +133,41 @@ def test_fused_ring_with_packed_documents_reassembles_exact_attention(monkeypatc
                             ("dv", dkv[..., D:], vf.grad)):
         assert _rel(got, want) < TOL, (name, _rel(got, want))
     assert len(calls) > R * R  # the fused path took the blocks, in more than one part where documents meet
+
+
+@pytest.mark.parametrize("feature", ["documents", "window", "sinks", "documents+window"])
+@pytest.mark.parametrize("backend", ["fa4", "flash_attn"])
+def test_optional_kernels_take_documents_windows_and_sinks(backend, feature):
+    """flash-attn's and FA4's varlen / window / sink arguments as backends.py passes them, forward and backward,
+    against masks.py's exact torch path in fp64. Skipped where the optional kernel is not installed."""
+    from ds_ulysses_ext import backends, masks
+    if backends._optional_func(backend) is None:
+        pytest.skip(f"{backend} is not installed here (an optional GPU extra)")
+    if not set(feature.split("+")) <= backends._FEATURES[backend]:
+        pytest.skip(f"{backend} has no {feature} support: backends.py refuses it by name (tests/test_refusals.py)")
+    lengths = [1500, 37, 600, 2000, 959]
+    S, h, hkv, D = sum(lengths), 8, 2, 64
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q = torch.randn(1, S, h, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v, dout = (torch.randn(1, S, n, D, device="cuda", dtype=torch.bfloat16, generator=g) for n in (hkv, hkv, h))
+    kw = {}
+    if "documents" in feature:
+        kw["cu_seqlens"] = masks.cu_seqlens_of(torch.cat([torch.arange(n) for n in lengths])[None].cuda())
+    if "window" in feature or feature == "sinks":
+        kw["window"] = 128
+    if feature == "sinks":
+        kw["sinks"] = torch.randn(h, device="cuda", generator=g).to(torch.bfloat16)
+    grads = []
+    for dtype, run in ((torch.bfloat16, None), (torch.float64, masks.masked_attention)):
+        qi, ki, vi = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+        extra = {n: (t.to(dtype) if n == "sinks" else t) for n, t in kw.items()}
+        if run is None:
+            if "cu_seqlens" in extra:
+                extra["max_seqlen"] = max(lengths)
+            out = backends.local_attention(backend, qi, ki, vi, causal=True, **extra)
+        else:
+            out = run(qi, ki, vi, causal=True, **extra)
+        out.backward(dout.to(dtype))
+        grads.append([out.detach(), qi.grad, ki.grad, vi.grad])
+    for name, got, want in zip(("out", "dq", "dk", "dv"), *grads):
+        assert _rel(got, want) < TOL, (backend, feature, name, _rel(got, want))

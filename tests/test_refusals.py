@@ -63,6 +63,23 @@ def test_flash_attn_missing_is_reported():
         local_attention("flash_attn", q, q, q)
 
 
+def test_a_named_kernel_without_a_feature_the_model_uses_is_refused(monkeypatch, caplog):
+    # flash-attn has documents and windows but no sinks: named, it is refused with the fix; picked by auto, the
+    # sink layers run the exact torch path and the log says so (CPU stands in for CUDA: auto is forced to it)
+    from ds_ulysses_ext import backends
+    from ds_ulysses_ext.masks import masked_attention
+    q = torch.randn(1, 6, 4, 8)
+    sinks = torch.randn(4)
+    with pytest.raises(UnsupportedError, match="'flash_attn' has no sinks support.*attn_backend=auto or "):
+        local_attention("flash_attn", q, q, q, window=3, sinks=sinks)
+    monkeypatch.setattr(backends, "resolve_backend", lambda name, *a: "flash_attn")
+    backends._log_fallback.cache_clear()
+    with caplog.at_level("INFO", logger="ds_ulysses_ext.backends"):
+        out = local_attention("auto", q, q, q, window=3, sinks=sinks)
+    assert torch.equal(out, masked_attention(q, q, q, causal=True, window=3, sinks=sinks))
+    assert "flash_attn lacks sinks: those layers run the exact torch path" in caplog.text
+
+
 def test_fa4_missing_is_reported_and_auto_falls_back_to_sdpa():
     q = torch.randn(1, 4, 2, 8)
     with pytest.raises(UnsupportedError, match="flash-attn-4 .flash_attn.cute. is not importable.*attn_backend=sdpa"):
