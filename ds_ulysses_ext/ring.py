@@ -74,9 +74,9 @@ class BlockMask:
     doc: Optional[torch.Tensor] = None
     window: Optional[int] = None
 
-    def visible(self, qs: int, qe: int) -> Optional[torch.Tensor]:
-        """[B|1, 1, bq, Lk] bool for query rows qs..qe, or None when every key is visible."""
-        q, k = self.q_pos[qs:qe, None], self.k_pos[None, :]
+    def visible(self, qs: int, qe: int, ks: int = 0, ke: Optional[int] = None) -> Optional[torch.Tensor]:
+        """[B|1, 1, bq, Lk] bool for query rows qs..qe and key rows ks..ke, or None when every key is visible."""
+        q, k = self.q_pos[qs:qe, None], self.k_pos[None, ks:ke]
         mask = None
         if self.causal:
             mask = k <= q
@@ -86,7 +86,8 @@ class BlockMask:
         if mask is not None:
             mask = mask[None, None]
         if self.doc is not None:
-            same = self.doc[:, self.q_pos[qs:qe]][:, None, :, None] == self.doc[:, self.k_pos][:, None, None, :]
+            same = (self.doc[:, self.q_pos[qs:qe]][:, None, :, None]
+                    == self.doc[:, self.k_pos[ks:ke]][:, None, None, :])
             mask = same if mask is None else mask & same
         return mask
 
@@ -103,11 +104,31 @@ def _fold(grad_BhLD: torch.Tensor, hkv: int) -> torch.Tensor:
     return grad_BhLD if h == hkv else grad_BhLD.reshape(B, hkv, h // hkv, L, D).sum(2)
 
 
-def _logits(q, k, scale, mask: BlockMask, qs):
-    # [B h bq D] x [B h Lk D] -> [B h bq Lk] fp32, -inf where the key is not visible
+def _logits(q, k, scale, mask: BlockMask, qs, ks=0):
+    # [B h bq D] x [B h lk D] (keys ks.. of the block) -> [B h bq lk] fp32, -inf where the key is not visible
     logits = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    visible = mask.visible(qs, qs + q.shape[2])
+    visible = mask.visible(qs, qs + q.shape[2], ks, ks + k.shape[2])
     return logits if visible is None else logits.masked_fill(~visible, float("-inf"))
+
+
+def _query_blocks(mask: BlockMask, Lq: int, Lk: int) -> list:
+    """(qs, qe, ks, ke) per query block of the torch kernel: its rows and the keys it reads.
+
+    Without a window every block reads all Lk keys. With one, a block reads only the keys its window reaches, the
+    positions k_pos[ks:ke] in [first query - window + 1, last query]: a superset of what it sees (masked keys add
+    exact zeros), far fewer than Lk when the window is short (GPT-OSS: 128 in a share of thousands). For that the
+    blocks also break where the query positions jump (a share's two zigzag chunks), so no block spans the gap.
+    Both position lists are increasing (zigzag chunks in order); two host syncs per call."""
+    if mask.window is None:
+        return [(qs, min(Lq, qs + QUERY_BLOCK), 0, Lk) for qs in range(0, Lq, QUERY_BLOCK)]
+    q = mask.q_pos
+    cuts = [0] + ((q[1:] - q[:-1]) != 1).nonzero().flatten().add(1).tolist() + [Lq]
+    rows = [(qs, min(qe, qs + QUERY_BLOCK)) for a, qe in zip(cuts[:-1], cuts[1:]) for qs in range(a, qe, QUERY_BLOCK)]
+    first = q[torch.tensor([a for a, _ in rows], device=q.device)]
+    last = q[torch.tensor([b - 1 for _, b in rows], device=q.device)]
+    ks = torch.searchsorted(mask.k_pos, first - mask.window + 1)
+    ke = torch.searchsorted(mask.k_pos, last, right=True) if mask.causal else torch.full_like(ks, Lk)
+    return [(a, b, s, e) for (a, b), s, e in zip(rows, ks.tolist(), ke.tolist())]
 
 
 def _finite(lse: torch.Tensor) -> torch.Tensor:
@@ -137,11 +158,15 @@ def block_forward(q, k, v, scale: float, mask: BlockMask):
 def _torch_block_forward(q, k, v, scale: float, mask: BlockMask):
     # the exact kernel: fp32 logits for QUERY_BLOCK query rows at a time (k, v already expanded to q's heads)
     outs, lses = [], []
-    for qs in range(0, q.shape[2], QUERY_BLOCK):
-        qb = q[:, :, qs:qs + QUERY_BLOCK]
-        logits = _logits(qb, k, scale, mask, qs)
+    for qs, qe, ks, ke in _query_blocks(mask, q.shape[2], k.shape[2]):
+        qb = q[:, :, qs:qe]
+        if ke <= ks:  # the window reaches no key of this block: an empty share (0, -inf)
+            outs.append(torch.zeros(qb.shape, dtype=torch.float32, device=q.device))
+            lses.append(torch.full(qb.shape[:3], float("-inf"), dtype=torch.float32, device=q.device))
+            continue
+        logits = _logits(qb, k[:, :, ks:ke], scale, mask, qs, ks)
         lse = torch.logsumexp(logits, dim=-1)
-        outs.append(torch.matmul(torch.exp(logits - _finite(lse)[..., None]), v.float()))
+        outs.append(torch.matmul(torch.exp(logits - _finite(lse)[..., None]), v[:, :, ks:ke].float()))
         lses.append(lse)
     return torch.cat(outs, 2), torch.cat(lses, 2)
 
@@ -173,17 +198,20 @@ def block_backward(q, k, v, dout, lse, delta, scale: float, mask: BlockMask, out
 def _torch_block_backward(q, k, v, dout, lse, delta, scale: float, mask: BlockMask):
     h, hkv = q.shape[1], k.shape[1]
     ke, ve = _expand(k, h).float(), _expand(v, h).float()
-    dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.zeros(ke.shape, dtype=torch.float32, device=q.device)
     dv = torch.zeros_like(dk)
-    for qs in range(0, q.shape[2], QUERY_BLOCK):
-        qb, dob = q[:, :, qs:qs + QUERY_BLOCK].float(), dout[:, :, qs:qs + QUERY_BLOCK].float()
+    for qs, qe, ks, kend in _query_blocks(mask, q.shape[2], ke.shape[2]):
+        if kend <= ks:  # the window reaches no key of this block: no gradient
+            continue
+        qb, dob = q[:, :, qs:qe].float(), dout[:, :, qs:qe].float()
+        kb, vb = ke[:, :, ks:kend], ve[:, :, ks:kend]
         # the merged lse is finite (every row sees itself), so masked keys get exactly 0
-        p = torch.exp(_logits(qb, ke, scale, mask, qs) - lse[:, :, qs:qs + QUERY_BLOCK, None])
-        dv += torch.matmul(p.transpose(-1, -2), dob)
-        ds = p * (torch.matmul(dob, ve.transpose(-1, -2)) - delta[:, :, qs:qs + QUERY_BLOCK, None])
-        dq[:, :, qs:qs + QUERY_BLOCK] = torch.matmul(ds, ke) * scale
-        dk += torch.matmul(ds.transpose(-1, -2), qb) * scale
+        p = torch.exp(_logits(qb, kb, scale, mask, qs, ks) - lse[:, :, qs:qe, None])
+        dv[:, :, ks:kend] += torch.matmul(p.transpose(-1, -2), dob)
+        ds = p * (torch.matmul(dob, vb.transpose(-1, -2)) - delta[:, :, qs:qe, None])
+        dq[:, :, qs:qe] = torch.matmul(ds, kb) * scale
+        dk[:, :, ks:kend] += torch.matmul(ds.transpose(-1, -2), qb) * scale
     return dq, _fold(dk, hkv), _fold(dv, hkv)
 
 

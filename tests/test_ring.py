@@ -354,6 +354,34 @@ def test_window_and_sink_models_under_the_ring_match_unsplit(family, world, ring
     run_ranks(_windowed_model_check, world, family, ring)
 
 
+@pytest.mark.parametrize("window", [3, 8, 20])
+def test_the_torch_kernel_reads_only_the_keys_a_window_reaches(window, monkeypatch):
+    # rank 1's own block (step 0) of a 4-rank zigzag ring over 64 tokens: its share is chunks 1 and 6 (positions
+    # 8..15 and 48..55), query blocks of 4 rows. Each block must read only the keys its window reaches, never across
+    # the gap between the chunks, and give the dense fp64 answer (out, lse, dq, dk, dv) on the full block.
+    monkeypatch.setattr(ring_mod, "QUERY_BLOCK", 4)
+    pos = ring_mod.share_positions(torch.arange(64), 4, 1)
+    mask = ring_mod.BlockMask(True, pos, pos, None, window)
+    g = torch.Generator().manual_seed(0)
+    q, dout = (torch.randn(1, 4, 16, 8, generator=g) for _ in range(2))  # fp32, the kernel's precision
+    k, v = (torch.randn(1, 2, 16, 8, generator=g) for _ in range(2))
+    widths, real = [], ring_mod._logits
+    monkeypatch.setattr(ring_mod, "_logits", lambda qb, kb, *a: widths.append(kb.shape[2]) or real(qb, kb, *a))
+    out, lse = ring_mod._torch_block_forward(q, ring_mod._expand(k, 4), ring_mod._expand(v, 4), 8 ** -0.5, mask)
+    delta = (dout * out).sum(-1)
+    dq, dk, dv = ring_mod._torch_block_backward(q, k, v, dout, lse, delta, 8 ** -0.5, mask)
+    assert widths and max(widths) <= min(16, window + 3), widths  # a block of 4 rows reaches window + 3 keys
+    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))  # the reference in fp64
+    ke, ve = (t.repeat_interleave(2, dim=1) for t in (kr, vr))
+    logits = (qr @ ke.transpose(-1, -2)) * 8 ** -0.5
+    logits = logits.masked_fill(~((pos[None] <= pos[:, None]) & (pos[:, None] - pos[None] < window)), float("-inf"))
+    ref = logits.softmax(-1) @ ve
+    ref.backward(dout.double())
+    for name, got, want in (("out", out, ref), ("lse", lse, logits.logsumexp(-1)), ("dq", dq, qr.grad),
+                            ("dk", dk, kr.grad), ("dv", dv, vr.grad)):
+        torch.testing.assert_close(got.double(), want.detach(), rtol=1e-5, atol=1e-6, msg=name)
+
+
 def _count_skipped_blocks(rank, world, window, expected):
     # ring 4 over 32 tokens: 8 zigzag chunks of 4; rank r holds chunks r and 7 - r. With a window of at most a chunk,
     # a query sees keys of its own chunk and the one before only, so every step whose share holds neither is skipped;
