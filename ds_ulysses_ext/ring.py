@@ -31,7 +31,8 @@ bq = QUERY_BLOCK rows at a time), which is the reference and what CPU runs. Its 
 causal, packed documents (the global cu_seqlens shard_batch returns, as for Ulysses) and HF's sliding window, so
 packing and windows are exact under the ring too. A step whose block a window hides entirely (no query row within
 the window of any of its keys) is skipped, in forward and backward: an empty block adds nothing to the merge, to dq
-or to the dK|dV accumulator, which still travels on. A block that only document boundaries hide is still computed,
+or to the dK|dV accumulator, which still travels on. In a block the window cuts, the torch kernel's query blocks read
+only the keys their window reaches (_query_blocks). A block that only document boundaries hide is still computed,
 masked. A row may see no key of some block: its partial lse is -inf and it merges as an empty share.
 GPT-OSS's sinks rescale the merged output by sigmoid(lse - sink) after the ring, in autograd: the ring's
 backward takes the gradient that reaches the log-sum-exp as well.
