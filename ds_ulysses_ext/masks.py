@@ -23,10 +23,18 @@ padded at their end to a multiple of DOC_BUCKET and batched, one unmasked is_cau
 pads come after every real token, so causal attention never lets a real row see them). A masked SDPA call costs
 several times an unmasked one per visible pair (docs/benchmarks.md, packing); without causality the short
 documents keep the masked block walk.
+
+Everything that depends only on the boundaries (which documents are long, the buckets' gather indices, the order
+that puts the pieces' rows back) is a plan built once per batch, not once per layer: every attention layer of a
+step, and its recompute, receives the same cu_seqlens object, and _cached keys the plan on that object. The
+per-layer work is then device-only (no host copy of the boundaries, which would wait for the GPU at every
+layer), and its gathers are index_select, whose backward is an index_add rather than the sort that advanced
+indexing's backward (index_put with accumulate) runs.
 """
 from __future__ import annotations
 
-from typing import Optional
+import weakref
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -139,17 +147,49 @@ def masked_attention(q_BShD: torch.Tensor, k_BShD: torch.Tensor, v_BShD: torch.T
     return _blocked(q_BShD, k_BShD, v_BShD, causal, scale, cu_seqlens, window, sinks, block)
 
 
-def _per_document(q_BShD, k_BShD, v_BShD, causal, scale, cu_seqlens, block):
-    """Documents of >= `block` tokens: one unmasked SDPA call each. Shorter ones, causal: padded at their END to a
-    multiple of DOC_BUCKET tokens and batched, one unmasked is_causal call per padded length; a causal query never
-    sees the keys after it, so the pads change no real row (their own rows are dropped, so they get no gradient).
-    Shorter ones, not causal: the masked block walk over each run of them. Documents never cross rows, so the flat
-    [B*S] token axis holds them all; the pieces' rows are put back in token order."""
-    B, S, h, D = q_BShD.shape
-    hkv = k_BShD.shape[2]
-    q, k, v = (t.reshape(B * S, t.shape[2], D) for t in (q_BShD, k_BShD, v_BShD))  # [B*S h D], views
-    bounds = cu_seqlens.tolist()  # one host copy per call
-    rows, outs = [], []  # token indices (host) and their outputs, piece by piece
+_PLANS: list = []  # [(weak reference to a cu_seqlens, stamp, plan)], newest first (_cached)
+_PLANS_KEPT = 4  # both kinds of plan (per document, blocked) for this batch and the one before; older ones go
+
+
+def _cached(cu_seqlens: torch.Tensor, key: tuple, build):
+    """build(), or what it returned before for this very cu_seqlens object and key.
+
+    A hit needs the same live object: the reference is weak, so a freed tensor whose id() a new one reuses
+    cannot match (and a plan goes with its batch), and the stamp holds the version counter, which every
+    in-place write through torch bumps, so boundaries rewritten in place are not served a stale plan. Shape,
+    device and storage are in the stamp too, for set_ and friends. Inference tensors keep no version counter:
+    they are never cached.
+    """
+    if cu_seqlens.is_inference():
+        return build()
+    stamp = (cu_seqlens._version, tuple(cu_seqlens.shape), cu_seqlens.device, cu_seqlens.data_ptr(), key)
+    for ref, seen, plan in _PLANS:
+        if ref() is cu_seqlens and seen == stamp:
+            return plan
+    plan = build()
+    alive = [entry for entry in _PLANS if entry[0]() is not None]
+    _PLANS[:] = [(weakref.ref(cu_seqlens), stamp, plan)] + alive[:_PLANS_KEPT - 1]
+    return plan
+
+
+class _DocumentPlan(NamedTuple):
+    # pieces, in document order: ("long", a, b), one SDPA call over tokens a:b; ("run", a, b, local cu_seqlens,
+    # its _block_layout), the masked walk over a run of short documents (not causal)
+    pieces: list
+    # (P, idx [n*P] int64, pad [n*P 1 1] bool): n short documents padded to P; idx is the token that fills each
+    # slot, a pad's slot cycling through its own document's tokens; pad marks the slots that are zeroed
+    buckets: list
+    # [B*S] int64: the row of the concatenated piece and bucket outputs that holds each token; None when they
+    # are already in token order (no buckets)
+    order: Optional[torch.Tensor]
+
+
+def _document_plan(cu_seqlens, B, S, causal, block, device) -> _DocumentPlan:
+    """What _per_document needs from the boundaries; its device tensors are on `device`. Built once per batch."""
+    bounds = cu_seqlens.tolist()  # the batch's one host copy of the boundaries
+    if not bounds or bounds[0] != 0 or bounds[-1] != B * S or any(a > b for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"cu_seqlens must run from 0 to the batch's {B * S} tokens, got {bounds[:1]}..{bounds[-1:]}")
+    pieces = []
     # causal: padded length -> its documents; not causal: the pending run's first and last document (indices)
     short, run = {}, None
 
@@ -157,53 +197,110 @@ def _per_document(q_BShD, k_BShD, v_BShD, causal, scale, cu_seqlens, block):
         if run is not None:
             first, last = run
             a, b = bounds[first], bounds[last + 1]
-            local = torch.tensor([x - a for x in bounds[first:last + 2]], dtype=torch.int32, device=q.device)
-            rows.append(torch.arange(a, b))
-            outs.append(_blocked(q[None, a:b], k[None, a:b], v[None, a:b], causal, scale, local, None, None,
-                                 block)[0])
+            local = torch.tensor([x - a for x in bounds[first:last + 2]], dtype=torch.int32, device=device)
+            pieces.append(("run", a, b, local, _block_layout(local, 1, b - a, block)))
 
     for n, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
         if b - a >= block:
             flush()
             run = None
-            qd, kd, vd = (t[a:b].transpose(0, 1)[None] for t in (q, k, v))  # [1 h L D]
-            out = F.scaled_dot_product_attention(qd, kd, vd, is_causal=causal, scale=scale, enable_gqa=h != hkv)
-            rows.append(torch.arange(a, b))
-            outs.append(out[0].transpose(0, 1))
+            pieces.append(("long", a, b))
         elif causal:
-            short.setdefault(min(-(-(b - a) // DOC_BUCKET) * DOC_BUCKET, block), []).append((a, b))
+            if b > a:  # an empty document has no rows to pad
+                short.setdefault(min(-(-(b - a) // DOC_BUCKET) * DOC_BUCKET, block), []).append((a, b))
         else:
             run = (n, n) if run is None else (run[0], n)
     flush()
-    if short:
-        pad = B * S  # the index of one zero row appended to q, k, v
-        qz, kz, vz = (torch.cat([t, t.new_zeros(1, *t.shape[1:])]) for t in (q, k, v))
-        for P, docs in sorted(short.items()):
-            first = torch.tensor([a for a, _ in docs])[:, None]
-            length = torch.tensor([b - a for a, b in docs])[:, None]
-            real = torch.arange(P)[None] < length  # [n P]
-            idx = torch.where(real, first + torch.arange(P)[None], pad)  # [n P]
-            dev_idx = idx.to(q.device)
-            qb, kb, vb = (t[dev_idx].transpose(1, 2) for t in (qz, kz, vz))  # [n h P D]
-            out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=h != hkv)
-            rows.append(idx[real])
-            outs.append(out.transpose(1, 2)[real.to(q.device)])  # [n_real h D]
-    order = torch.argsort(torch.cat(rows)).to(q.device)  # a permutation of the B*S tokens
-    return torch.cat(outs, dim=0)[order].reshape(B, S, h, D)
+    tokens = [torch.arange(p[1], p[2]) for p in pieces]  # the token of every output row, -1 for a pad
+    buckets = []
+    for P, docs in sorted(short.items()):
+        first = torch.tensor([a for a, _ in docs])[:, None]
+        length = torch.tensor([b - a for a, b in docs])[:, None]
+        slot = torch.arange(P)[None]
+        # a pad reads a real token of its own document (any row in range would do: the slot is zeroed), spread
+        # over the document so that the backward's index_add does not pile every pad onto one row
+        idx = (first + slot % length).reshape(-1)  # [n*P]
+        pad = (slot >= length).reshape(-1)
+        buckets.append((P, idx.to(device), pad[:, None, None].to(device)))
+        tokens.append(idx.masked_fill(pad, -1))
+    tokens = torch.cat(tokens)
+    if torch.equal(tokens, torch.arange(B * S)):
+        return _DocumentPlan(pieces, buckets, None)
+    real = tokens >= 0
+    order = torch.empty(B * S, dtype=torch.long)
+    order[tokens[real]] = torch.arange(len(tokens))[real]  # the boundaries partition the tokens: each is set once
+    return _DocumentPlan(pieces, buckets, order.to(device))
 
 
-def _blocked(q_BShD, k_BShD, v_BShD, causal, scale, cu_seqlens, window, sinks, block):
+def _per_document(q_BShD, k_BShD, v_BShD, causal, scale, cu_seqlens, block):
+    """Documents of >= `block` tokens: one unmasked SDPA call each. Shorter ones, causal: padded at their END to a
+    multiple of DOC_BUCKET tokens and batched, one unmasked is_causal call per padded length; a causal query never
+    sees the keys after it, so the pads change no real row (their own rows are dropped, so they get no gradient).
+    Shorter ones, not causal: the masked block walk over each run of them. Documents never cross rows, so the flat
+    [B*S] token axis holds them all; the pieces' rows are put back in token order."""
+    B, S, h, D = q_BShD.shape
+    gqa = h != k_BShD.shape[2]
+    plan = _cached(cu_seqlens, ("documents", B, S, causal, block, DOC_BUCKET, q_BShD.device),
+                   lambda: _document_plan(cu_seqlens, B, S, causal, block, q_BShD.device))
+    flat = []
+
+    def flats():
+        # [B*S h D] q, k, v, made on first use: when B and S do not merge (at cp 1 the tensors are HF's
+        # heads-major ones, transposed) the reshape is a copy, which documents that lie in one row do not need
+        if not flat:
+            flat.extend(t.reshape(B * S, t.shape[2], D) for t in (q_BShD, k_BShD, v_BShD))
+        return flat
+
+    outs = []  # [rows h D] each, in the plan's order
+    for piece in plan.pieces:
+        a, b = piece[1], piece[2]
+        if piece[0] == "long":
+            r, s = divmod(a, S)
+            if s + b - a <= S:
+                qd, kd, vd = (t[r, s:s + b - a].transpose(0, 1)[None] for t in (q_BShD, k_BShD, v_BShD))
+            else:  # boundaries that do not start every row (not cu_seqlens_of's): the flat axis still holds it
+                qd, kd, vd = (t[a:b].transpose(0, 1)[None] for t in flats())  # [1 h L D]
+            out = F.scaled_dot_product_attention(qd, kd, vd, is_causal=causal, scale=scale, enable_gqa=gqa)
+            outs.append(out[0].transpose(0, 1))
+        else:
+            q, k, v = flats()
+            outs.append(_blocked(q[None, a:b], k[None, a:b], v[None, a:b], causal, scale, piece[3], None, None,
+                                 block, layout=piece[4])[0])
+    for P, idx, pad in plan.buckets:
+        # index_select's backward is an index_add (no sort); zeroing the pad slots in place of gathering from
+        # copies of q, k, v with a zero row appended gives the kernel the same zeros (exact forward) and hands
+        # the rows the pads read exact zeros (exact gradients); masked_fill, unlike a multiply, zeroes inf too
+        qb, kb, vb = (t.index_select(0, idx).masked_fill_(pad, 0).unflatten(0, (-1, P)).transpose(1, 2)
+                      for t in flats())  # [n h P D]
+        out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=gqa)
+        outs.append(out.transpose(1, 2).reshape(-1, h, D))  # [n*P h D], pads included: the order skips them
+    out = torch.cat(outs) if len(outs) > 1 else outs[0]
+    if plan.order is not None:
+        out = out.index_select(0, plan.order)  # a gather whose backward (index_add) writes each row once
+    return out.reshape(B, S, h, D)
+
+
+def _block_layout(cu_seqlens, B, S, block):
+    """[B, S] document ids and, per query block, the earliest key any of its queries may see (a host list)."""
+    # the earliest key a query at index i may see is its document's first token; nondecreasing in i, so a
+    # block's earliest is its first query's
+    first_key = torch.arange(S, device=cu_seqlens.device) - positions_in_documents(cu_seqlens, B, S)
+    return document_ids(cu_seqlens, B, S), first_key.amin(0)[::block].tolist()
+
+
+def _blocked(q_BShD, k_BShD, v_BShD, causal, scale, cu_seqlens, window, sinks, block, layout=None):
+    # layout: _block_layout(cu_seqlens, ...) when the caller holds it already (a plan's run of documents)
     B, S, h, D = q_BShD.shape
     hkv = k_BShD.shape[2]
     q, k, v = (t.transpose(1, 2) for t in (q_BShD, k_BShD, v_BShD))  # [B h S D]
     if sinks is not None:
         q, k, v, sink_key = _sink_operands(q, k, v, sinks, scale)  # head dim padded to Dp, GQA kept
-    doc_BS = document_ids(cu_seqlens, B, S) if cu_seqlens is not None else None
-    first_key = None
-    if doc_BS is not None:
-        # earliest key any row's query at index i may see: its document's first token. Nondecreasing in i,
-        # so a block's earliest is its first query's; one host copy per call, not one per block
-        first_key = (torch.arange(S, device=q.device) - positions_in_documents(cu_seqlens, B, S)).amin(0).tolist()
+    doc_BS = first_key = None
+    if cu_seqlens is not None:
+        if layout is None:  # once per batch, not per layer: its host copy waits for the device
+            layout = _cached(cu_seqlens, ("blocked", B, S, block),
+                             lambda: _block_layout(cu_seqlens, B, S, block))
+        doc_BS, first_key = layout
     outs = []
     for qs in range(0, S, block):
         qe = min(S, qs + block)
@@ -211,7 +308,7 @@ def _blocked(q_BShD, k_BShD, v_BShD, causal, scale, cu_seqlens, window, sinks, b
         if window is not None:
             ks = max(ks, qs - window + 1)
         if first_key is not None:
-            ks = max(ks, first_key[qs])
+            ks = max(ks, first_key[qs // block])
         q_idx = torch.arange(qs, qe, device=q.device)
         k_idx = torch.arange(ks, ke, device=q.device)
         mask = _block_mask(q_idx, k_idx, doc_BS, window, causal)

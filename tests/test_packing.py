@@ -128,11 +128,9 @@ def test_one_document_per_row_adds_no_boundaries():
     (False, 4, 128, [4, 4, 5, 7]),
 ])
 def test_long_documents_take_their_own_unmasked_call_and_stay_exact(causal, block, bucket, calls, monkeypatch):
-    # the reference is every document's attention written out on its own
     from ds_ulysses_ext import masks
     monkeypatch.setattr(masks, "DOC_BUCKET", bucket)
-    g = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(2, 13, h, 8, dtype=torch.float64, generator=g).requires_grad_() for h in (4, 2, 2))
+    q, k, v = _attention_inputs(3)
     pos = packed_batch()["position_ids"]
     cu = cu_seqlens_of(pos)
     unmasked = []
@@ -142,9 +140,20 @@ def test_long_documents_take_their_own_unmasked_call_and_stay_exact(causal, bloc
                         or real_sdpa(*a, **kw))
     out = masks.masked_attention(q, k, v, causal=causal, cu_seqlens=cu, block=block)
     assert sorted(unmasked) == calls
+    _check_documents_one_by_one(out, q, k, v, DOCS, causal)
+
+
+def _attention_inputs(seed):
+    # [2 13 h 8] fp64 q (4 heads), k, v (2 KV heads)
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(2, 13, h, 8, dtype=torch.float64, generator=g).requires_grad_() for h in (4, 2, 2)]
+
+
+def _check_documents_one_by_one(out, q, k, v, docs, causal):
+    # the reference is every document's attention written out on its own; output and gradients at rel 1e-12
     grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
     ref = torch.zeros_like(out)
-    for row, lengths in enumerate(DOCS):
+    for row, lengths in enumerate(docs):
         start = 0
         for n in lengths:
             sl = slice(start, start + n)
@@ -159,3 +168,68 @@ def test_long_documents_take_their_own_unmasked_call_and_stay_exact(causal, bloc
     assert rel(out, ref) < 1e-12
     for got, want in zip(grads, ref_grads):
         assert rel(got, want) < 1e-12
+
+
+def _positions(docs):
+    return torch.cat([torch.cat([torch.arange(n) for n in row])[None] for row in docs])
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_document_plan_is_built_once_per_batch_and_never_reused_for_other_documents(causal, monkeypatch):
+    # every layer of a step (and its recompute) gets the same cu_seqlens object, so the plan (host copy of the
+    # boundaries, index tensors) is built for the first layer only; a new batch's tensor gets a fresh one, and
+    # a plan must never answer for other boundaries, whether in a new tensor or written into the same one
+    from ds_ulysses_ext import masks
+    builds = []
+    real_plan = masks._document_plan
+    monkeypatch.setattr(masks, "_document_plan", lambda *a: builds.append(a[0].tolist()) or real_plan(*a))
+    monkeypatch.setattr(masks, "DOC_BUCKET", 2)  # block 6: long documents, and causal, buckets of several sizes
+    q, k, v = _attention_inputs(4)
+    cu = cu_seqlens_of(packed_batch()["position_ids"])
+    for layer in range(3):
+        out = masks.masked_attention(q, k, v, causal=causal, cu_seqlens=cu, block=6)
+        _check_documents_one_by_one(out, q, k, v, DOCS, causal)
+    assert builds == [cu.tolist()]
+    masks.masked_attention(q, k, v, causal=causal, cu_seqlens=cu.clone(), block=6)  # the next step: equal, new
+    assert builds == [cu.tolist()] * 2
+    other = [[2, 9, 2], [6, 1, 6]]  # the same number of documents, other boundaries
+    fresh = cu_seqlens_of(_positions(other))
+    _check_documents_one_by_one(masks.masked_attention(q, k, v, causal=causal, cu_seqlens=fresh, block=6),
+                                q, k, v, other, causal)
+    cu.copy_(fresh)  # the first tensor, rewritten in place
+    _check_documents_one_by_one(masks.masked_attention(q, k, v, causal=causal, cu_seqlens=cu, block=6),
+                                q, k, v, other, causal)
+    assert builds[2:] == [fresh.tolist()] * 2
+
+
+def test_the_blocked_layout_is_built_once_per_batch(monkeypatch):
+    # a window takes the masked block walk: its document ids and first keys are cached the same way
+    from ds_ulysses_ext import masks
+    builds = []
+    real_layout = masks._block_layout
+    monkeypatch.setattr(masks, "_block_layout", lambda *a: builds.append(1) or real_layout(*a))
+    q, k, v = _attention_inputs(6)
+    cu = cu_seqlens_of(packed_batch()["position_ids"])
+    outs = [masks.masked_attention(q, k, v, cu_seqlens=cu, window=3, block=4) for layer in range(2)]
+    assert len(builds) == 1 and torch.equal(outs[0], outs[1])
+    other = cu_seqlens_of(_positions([[2, 9, 2], [6, 1, 6]]))
+    got = masks.masked_attention(q, k, v, cu_seqlens=other, window=3, block=4)
+    assert len(builds) == 2
+    assert torch.equal(got, masks.masked_attention(q, k, v, cu_seqlens=other.clone(), window=3, block=4))
+    assert not torch.allclose(got, outs[0])
+
+
+def test_one_plan_serves_every_layer_of_a_step_and_its_recompute(monkeypatch):
+    # the cache pays off only if HF hands every layer, and the checkpointed recompute, the very tensor that
+    # shard_batch made; a copy on the way would rebuild the plan per layer without failing anything else
+    from ds_ulysses_ext import masks
+    builds, calls = [], []
+    real_plan, real_per_document = masks._document_plan, masks._per_document
+    monkeypatch.setattr(masks, "_document_plan", lambda *a: builds.append(1) or real_plan(*a))
+    monkeypatch.setattr(masks, "_per_document", lambda *a: calls.append(1) or real_per_document(*a))
+    model = tiny_model("llama")
+    model.gradient_checkpointing_enable()
+    topo = init_topology(1)
+    model = enable_context_parallel(model, topo, backend="sdpa")
+    cp_loss_and_grads(model, topo, packed_batch())
+    assert len(calls) == 2 * model.config.num_hidden_layers >= 4 and len(builds) == 1
