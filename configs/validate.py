@@ -155,6 +155,25 @@ def _check_model(model: ModelConfig) -> None:
     for key in _LATENT_KEYS:
         if key in model.arch:
             _check_latent_size(key, model.arch[key])
+    _check_attention_keys(model.arch)
+
+
+def _check_attention_keys(arch: Mapping[str, Any]) -> None:
+    """What ds_ulysses_ext/models.py check_attention_config refuses at model load, here before it when arch says it
+    (the engine runs the context-parallel attention at every cp, 1 included)."""
+    dropout = arch.get("attention_dropout", 0) or 0
+    _require(
+        not dropout,
+        f"model.arch.attention_dropout={dropout}: the context-parallel attention applies no dropout, and a dropout "
+        "mask drawn on each rank's share could never be checked against the unsplit model; set "
+        "model.arch.attention_dropout=0",
+    )
+    _require(
+        "is_causal" not in arch,
+        f"model.arch.is_causal={arch.get('is_causal')}: transformers reads it for its own masks only (false: "
+        "bidirectional), and the context-parallel attention is causal only and refuses the is_causal it would be "
+        "handed; remove model.arch.is_causal (~model.arch.is_causal)",
+    )
 
 
 def _check_latent_size(key: str, size: int) -> None:

@@ -110,3 +110,70 @@ def test_auto_takes_an_importable_flash_kernel_on_cuda_only_in_half_precision(mo
     assert backends.resolve_backend("auto", "cuda", torch.bfloat16) == "fa4"
     assert backends.resolve_backend("auto", "cuda", torch.float32) == "sdpa"
     assert backends.resolve_backend("auto", "cpu", torch.bfloat16) == "sdpa"
+
+
+# --- model features CP would run otherwise than the unsplit model (ds_ulysses_ext/models.py check_attention_config;
+# what CP runs exactly is checked against the unsplit model in tests/test_model_features.py) ------------------------
+
+ONE = Topology(1, 0, 1, 1)  # the engine installs the CP attention at cp=1 too: the refusals hold there as well
+
+
+def test_attention_dropout_is_refused_at_enable_time_at_every_cp():
+    for topo in (CP2, ONE):
+        with pytest.raises(UnsupportedError, match=r"attention_dropout=0\.1: the context-parallel attention applies "
+                                                   r"no dropout.*Set attention_dropout=0 "
+                                                   r"\(model\.arch\.attention_dropout=0"):
+            enable_context_parallel(tiny_model("llama", attention_dropout=0.1), topo)
+    enable_context_parallel(tiny_model("llama", attention_dropout=0.0), CP2)
+
+
+def test_is_causal_in_the_model_config_is_refused():
+    # the premise: HF reads it (masking_utils), and false makes the unsplit model bidirectional, which CP never is
+    ids = torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        causal = tiny_model("llama")(input_ids=ids).logits
+        bidirectional = tiny_model("llama", is_causal=False)(input_ids=ids).logits
+    assert ((bidirectional - causal).norm() / causal.norm()).item() > 1e-2
+    for value, what in ((False, "asks transformers for bidirectional attention"), (True, "is the default, but")):
+        with pytest.raises(UnsupportedError, match=rf"is_causal={value} in the model config {what}.*Remove "
+                                                   r"is_causal from the config \(model\.arch, or the checkpoint's "
+                                                   r"config\.json\)"):
+            enable_context_parallel(tiny_model("llama", is_causal=value), CP2)
+
+
+def test_sliding_layers_without_a_window_are_refused():
+    from transformers import GptOssConfig
+    sliding_first = dict(use_sliding_window=False, sliding_window=3,
+                         layer_types=["sliding_attention", "full_attention"])
+    # the premise: the unsplit HF model refuses this config in its own mask builder
+    with pytest.raises(ValueError, match="Could not find a `sliding_window`"):
+        tiny_model("qwen2", **sliding_first)(input_ids=torch.ones(1, 4, dtype=torch.long), use_cache=False)
+    for family in ("qwen2", "qwen3"):
+        with pytest.raises(UnsupportedError, match=r"layer_types marks layers \[0\] sliding_attention but "
+                                                   r"sliding_window is None \(use_sliding_window=false sets it to "
+                                                   r"None\).*Set sliding_window=<tokens> and use_sliding_window=true, "
+                                                   r"or mark those layers full_attention"):
+            enable_context_parallel(tiny_model(family, **sliding_first), CP2)
+    gpt_oss = GptOssConfig(vocab_size=96, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+                           num_attention_heads=8, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                           num_experts_per_tok=2, sliding_window=None)
+    model = AutoModelForCausalLM.from_config(gpt_oss, attn_implementation="eager")
+    with pytest.raises(UnsupportedError, match=r"layer_types marks layers \[0\] sliding_attention but sliding_window "
+                                               r"is None: .*Set sliding_window=<tokens>, or mark"):
+        enable_context_parallel(model, CP2)
+    enable_context_parallel(tiny_model("qwen2", use_sliding_window=True, sliding_window=3,
+                                       layer_types=["sliding_attention", "full_attention"]), CP2)
+
+
+@pytest.mark.parametrize("override, match", [
+    ("+model.arch.attention_dropout=0.1", r"model\.arch\.attention_dropout=0\.1: the context-parallel attention "
+                                          r"applies no dropout.*set model\.arch\.attention_dropout=0"),
+    ("+model.arch.is_causal=false", r"model\.arch\.is_causal=False: .*causal only.*remove model\.arch\.is_causal"),
+    ("+model.arch.is_causal=true", r"model\.arch\.is_causal=True: .*remove model\.arch\.is_causal"),
+], ids=["attention_dropout", "is_causal_false", "is_causal_true"])
+def test_attention_keys_are_refused_before_any_model_is_built(override, match):
+    from configs import ConfigError, compose_config, validate
+    for cp in ("parallelism.cp=1", "parallelism.cp=2"):
+        with pytest.raises(ConfigError, match=match):
+            validate(compose_config([override, cp, "trainer.global_batch_size=2"]), world_size=2)
+    validate(compose_config(["+model.arch.attention_dropout=0.0", "trainer.global_batch_size=2"]), world_size=2)

@@ -1,0 +1,413 @@
+"""Every switchable model feature of the supported families, under CP, against the unsplit model (fp32, rel 1e-5).
+
+The audit behind this file read each family's configuration_*.py and modeling_*.py in transformers 5.22 for the
+config fields that change the forward. AUDIT below is its table: every field of every registry family's config
+says where it is covered at cp > 1 (a case here, another test) or where it is refused before training
+(ds_ulysses_ext/models.py check_model_config / check_attention_config, rope.py check_rope, configs/validate.py),
+or why it cannot change the math. A field a transformers upgrade adds, or a family added to the registry without
+cases, fails test_every_config_field_of_every_family_is_audited first.
+
+Dropout: attention_dropout is the only dropout these families have. The CP kernels take none, and even with one
+each rank would draw its share's mask from its own random stream, so a CP run could match the unsplit model only
+in distribution and never be checked against it. The pretrained checkpoints of every family ship 0.0, so it is
+refused (at config time and at model load) rather than built.
+
+Each case also checks its premise on the unsplit model (the feature is really on: the parameter exists, the layer
+is windowed, the block is dense, ...), and the cases that add no parameter are checked to change the logits, so
+no case passes because the feature did nothing.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, GptOssConfig
+
+from cp_check import assert_share_matches_unsplit
+from dist_harness import run_ranks
+from moe_check import assert_moe_split_matches, moe_batch
+from ds_ulysses_ext import CPCausalLM, Topology, enable_context_parallel, init_topology, shard_batch
+from ds_ulysses_ext.moe import AllToAllDispatcher, MoEContext, moe_blocks
+from ds_ulysses_ext.moe.parallel import MoESettings, enable_expert_parallel
+from tiny_models import tiny_model
+
+# field: where it is covered at cp > 1, refused, or why it cannot change the math (transformers 5.22)
+AUDIT = {
+    # shapes: every test's tiny models vary them; the head counts cp must split are checked (check_model_config,
+    # validate), head_dim is overridden in every tiny model (8, not hidden / heads) and cp 4 replicates kv heads
+    "vocab_size": "shape", "hidden_size": "shape", "intermediate_size": "shape", "num_hidden_layers": "shape",
+    "moe_intermediate_size": "shape", "num_attention_heads": "tests/test_hf_cp.py; refused: check_model_config",
+    "num_key_value_heads": "tests/test_hf_cp.py (GQA, replicated at cp 4); refused: check_model_config",
+    "head_dim": "every tiny model", "rms_norm_eps": "per token", "initializer_range": "the init only",
+    "bos_token_id": "data only", "eos_token_id": "data only", "use_cache": "CP runs no cache (generate refused)",
+    "max_position_embeddings": "refused past it: validate; warned for a checkpoint (engine/hf_config.py)",
+    "pad_token_id": "llama_pad_token (the embedding's padding_idx)",
+    "hidden_act": "llama_gelu; MoE experts: silu only, refused otherwise (configs/moe.py, hf_moe_spec)",
+    "mlp_bias": "llama_mlp_bias",
+    "attention_bias": "*_attention_bias, gpt_oss_no_attention_bias, qwen3_moe_bias_tied (qwen2's fixed q/k/v biases: "
+                      "tests/test_hf_cp.py)",
+    "tie_word_embeddings": "*_tied; tests/test_engine.py (engine layouts)",
+    "rope_parameters": "tests/test_rope.py (all seven types; partial_rotary_factor in `proportional`, which HF's "
+                       "other types fail on loudly, split or not), *_rope here; unknown types refused (check_rope, "
+                       "validate)",
+    "use_sliding_window": "qwen2_window_*, qwen3_window_layer_types, qwen3_moe_window, latent_moe_window; "
+                          "tests/test_sliding_sinks.py, test_ring.py",
+    "sliding_window": "as use_sliding_window; mistral, gpt_oss: tests/test_sliding_sinks.py, test_ring.py",
+    "max_window_layers": "qwen2_window_max_window_layers; tests/test_sliding_sinks.py (qwen3)",
+    "layer_types": "qwen2_window_layer_types, qwen3_window_layer_types, gpt_oss_all_sliding; sliding layers without "
+                   "a window refused (check_attention_config); HF's Mistral ignores it",
+    "attention_dropout": "refused (check_attention_config, validate): see the module docstring",
+    "pretraining_tp": "inert: transformers 5.22's Llama never reads it",
+    "norm_topk_prob": "qwen3_moe_norm_topk_prob_false, latent_moe_no_shared_no_norm; true: tests/test_moe_model.py",
+    "mlp_only_layers": "qwen3_moe_mlp_only_layers, latent_moe_mlp_only_layers",
+    "decoder_sparse_step": "qwen3_moe_decoder_sparse_step",
+    "num_experts": "tests/test_moe_model.py, test_moe_layer.py; ep must divide it (validate)",
+    "num_local_experts": "tests/test_moe_gpt_oss.py; ep must divide it (validate)",
+    "num_experts_per_tok": "tests/test_moe_model.py (2), test_moe_gpt_oss.py (2, 4)",
+    "output_router_logits": "refused (check_model_config, hf_moe_spec, configs/moe.py)",
+    "router_aux_loss_coef": "inert: HF reads it only with output_router_logits (refused); moe.aux_loss_coef sets "
+                            "our per-sequence loss",
+    "swiglu_alpha": "gpt_oss_swiglu", "swiglu_limit": "gpt_oss_swiglu; the default clips in tests/test_moe_gpt_oss.py",
+    "latent_size": "tests/test_moe_engine.py (the preset); multiples of 512 only (validate)",
+    "router_score": "latent_moe_sigmoid; softmax: tests/test_moe_engine.py",
+    "shared_expert_intermediate_size": "latent_moe_no_shared_no_norm; tests/test_moe_engine.py (the preset has one)",
+    # not a dataclass field but a switch transformers reads from any config (masking_utils, utils/generic.py)
+    "is_causal": "refused (check_attention_config, validate): false would make HF bidirectional",
+}
+
+S = 16  # cp 2 and ring 2 (zigzag chunks of 4) divide it: the length-dependent RoPE types see no pads
+DYNAMIC = {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}, "max_position_embeddings": 8}  # 16 > 8: grows
+LONGROPE = {"rope_parameters": {"rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 3.0],
+                                "long_factor": [2.0, 4.0, 6.0, 9.0], "original_max_position_embeddings": 8},
+            "max_position_embeddings": 8}
+
+
+def _layers(m):
+    return m.model.layers
+
+
+def _params(m):
+    return dict(m.named_parameters())
+
+
+def _windows(m):
+    return [layer.self_attn.sliding_window for layer in _layers(m)]
+
+
+def _tied(m):
+    return m.lm_head.weight is m.model.embed_tokens.weight
+
+
+def _rope(m, rope_type):
+    return m.model.rotary_emb.rope_type == rope_type and S > m.config.max_position_embeddings
+
+
+# name: (family, overrides, premise on the unsplit model, changes the parameter set: then the compared names show it)
+DENSE = {
+    "llama_attention_bias": ("llama", {"attention_bias": True},
+                             lambda m: "model.layers.0.self_attn.o_proj.bias" in _params(m), True),
+    "llama_mlp_bias": ("llama", {"mlp_bias": True}, lambda m: "model.layers.0.mlp.down_proj.bias" in _params(m), True),
+    "llama_gelu": ("llama", {"hidden_act": "gelu_pytorch_tanh"},
+                   lambda m: "GELU" in type(_layers(m)[0].mlp.act_fn).__name__, False),
+    "llama_pad_token": ("llama", {"pad_token_id": 0}, lambda m: m.model.embed_tokens.padding_idx == 0, False),
+    "llama_tied": ("llama", {"tie_word_embeddings": True}, _tied, True),
+    "qwen2_window_max_window_layers": ("qwen2", {"use_sliding_window": True, "sliding_window": 3,
+                                                 "max_window_layers": 1},
+                                       lambda m: _windows(m) == [None, 3], False),
+    "qwen2_window_layer_types": ("qwen2", {"use_sliding_window": True, "sliding_window": 4,
+                                           "layer_types": ["sliding_attention", "full_attention"]},
+                                 lambda m: _windows(m) == [4, None], False),
+    "qwen2_dynamic_rope": ("qwen2", DYNAMIC, lambda m: _rope(m, "dynamic"), False),
+    "qwen2_tied": ("qwen2", {"tie_word_embeddings": True}, _tied, True),
+    "qwen3_attention_bias": ("qwen3", {"attention_bias": True},
+                             lambda m: "model.layers.0.self_attn.o_proj.bias" in _params(m), True),
+    "qwen3_window_layer_types": ("qwen3", {"use_sliding_window": True, "sliding_window": 3,
+                                           "layer_types": ["full_attention", "sliding_attention"]},
+                                 lambda m: _windows(m) == [None, 3], False),
+    "qwen3_tied": ("qwen3", {"tie_word_embeddings": True}, _tied, True),
+    "mistral_dynamic_rope": ("mistral", DYNAMIC, lambda m: _rope(m, "dynamic"), False),
+    "mistral_longrope": ("mistral", LONGROPE, lambda m: _rope(m, "longrope"), False),
+    "mistral_tied": ("mistral", {"tie_word_embeddings": True}, _tied, True),
+    # HF's own sparse block (no enable_expert_parallel): what a library user at cp > 1 runs
+    "qwen3_moe_window": ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 3},
+                         lambda m: _windows(m) == [3, 3], False),
+    "qwen3_moe_dynamic_rope": ("qwen3_moe", DYNAMIC, lambda m: _rope(m, "dynamic"), False),
+    "qwen3_moe_bias_tied": ("qwen3_moe", {"attention_bias": True, "tie_word_embeddings": True},
+                            lambda m: _tied(m) and "model.layers.0.self_attn.o_proj.bias" in _params(m), True),
+    # HF's GptOssMLP (no enable_expert_parallel); eager attention with sinks, as its HF reference
+    "gpt_oss_no_attention_bias": ("gpt_oss", {"attention_bias": False},
+                                  lambda m: "model.layers.0.self_attn.o_proj.bias" not in _params(m), True),
+    "gpt_oss_all_sliding": ("gpt_oss", {"layer_types": ["sliding_attention", "sliding_attention"], "sliding_window": 3},
+                            lambda m: _windows(m) == [3, 3], False),
+    "gpt_oss_default_rope": ("gpt_oss", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+                             lambda m: m.model.rotary_emb.rope_type == "default", False),
+    "gpt_oss_dynamic_rope": ("gpt_oss", {**DYNAMIC, "rope_parameters": {**DYNAMIC["rope_parameters"],
+                                                                         "rope_theta": 10000.0}},
+                             lambda m: _rope(m, "dynamic"), False),
+    "gpt_oss_swiglu": ("gpt_oss", {"swiglu_limit": 0.5, "swiglu_alpha": 1.0},
+                       lambda m: _layers(m)[0].mlp.experts.limit == 0.5, False),
+    "gpt_oss_tied": ("gpt_oss", {"tie_word_embeddings": True}, _tied, True),
+}
+RING = ["qwen2_window_max_window_layers", "qwen3_moe_window", "qwen2_dynamic_rope"]  # also under ring 2 (zigzag)
+
+
+def _gpt_oss(overrides, seed=0):
+    args = dict(vocab_size=96, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=8,
+                num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+                max_position_embeddings=64, layer_types=["sliding_attention", "full_attention"],
+                tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(GptOssConfig(**{**args, **overrides}), attn_implementation="eager",
+                                             dtype=torch.float32)
+    with torch.no_grad():  # large distinct sinks: a rank using the wrong ones moves the loss far past the tolerance
+        for layer in model.model.layers:
+            layer.self_attn.sinks.copy_(torch.randn(8, generator=torch.Generator().manual_seed(7)) * 2)
+    return model.train()
+
+
+def _dense(family, overrides):
+    return _gpt_oss(overrides) if family == "gpt_oss" else tiny_model(family, **overrides)
+
+
+def _batch():
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 96, (2, S), generator=g)
+    ids[0, 5] = ids[1, 11] = 0  # the pad token (llama_pad_token) occurs as input
+    labels = ids.clone()
+    labels[:, :3] = -100
+    labels[1, 9] = -100
+    return ids, labels
+
+
+def _dense_reference(name):
+    family, overrides, premise, _ = DENSE[name]
+    model = _dense(family, overrides)
+    assert premise(model), (name, "the feature is not on in the unsplit model")
+    ids, labels = _batch()
+    logits = model(input_ids=ids, use_cache=False).logits
+    loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _cp_dense(name):  # the model the CP side builds (a seam: the failure check builds it without the feature)
+    family, overrides, _, _ = DENSE[name]
+    return _dense(family, overrides)
+
+
+def _dense_case(name, ring):
+    ref_loss, ref_grads = _dense_reference(name)
+    topo = init_topology(2, ring_size=ring)
+    model = enable_context_parallel(_cp_dense(name), topo, backend="sdpa")
+    ids, labels = _batch()
+    loss_sum, count = CPCausalLM(model, loss_chunk_size=5)(**shard_batch({"input_ids": ids, "labels": labels}, topo))
+    assert set(dict(model.named_parameters())) == set(ref_grads), name
+    assert_share_matches_unsplit(model, loss_sum, count, topo, ref_loss, ref_grads, (name, ring))
+
+
+def _all_dense(rank, world):
+    for name in DENSE:  # one process group for every case: forking the ranks costs more than a case
+        _dense_case(name, 1)
+    for name in RING:
+        _dense_case(name, 2)
+
+
+def test_dense_features_under_cp_match_unsplit():
+    run_ranks(_all_dense, 2)
+
+
+# --- MoE features through our block (what the engine runs for these families) at cp 2 x ep 2 ---------------------
+
+COEF = 0.1  # large, so the balance loss moves the router gradient far beyond the tolerance
+E, K = 8, 2
+QWEN_MOE = dict(num_experts=E, num_experts_per_tok=K, moe_intermediate_size=16, norm_topk_prob=True)
+
+
+def _spec(m):
+    return moe_blocks(m)[0].spec
+
+
+# name: (family, overrides, premise on the model after enable_expert_parallel, changes the parameter set)
+MOE = {
+    "qwen3_moe_norm_topk_prob_false": ("qwen3_moe", {"norm_topk_prob": False}, lambda m: not _spec(m).norm_topk_prob,
+                                       False),
+    "qwen3_moe_mlp_only_layers": ("qwen3_moe", {"mlp_only_layers": [0]},
+                                  lambda m: [b.layer_id for b in moe_blocks(m)] == [1], True),
+    "qwen3_moe_decoder_sparse_step": ("qwen3_moe", {"decoder_sparse_step": 2},
+                                      lambda m: [b.layer_id for b in moe_blocks(m)] == [1], True),
+    "qwen3_moe_window": ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 3},
+                         lambda m: _windows(m) == [3, 3], False),
+    "qwen3_moe_bias_tied": ("qwen3_moe", {"attention_bias": True, "tie_word_embeddings": True},
+                            lambda m: _tied(m) and "model.layers.0.self_attn.o_proj.bias" in _params(m), True),
+    "gpt_oss_no_attention_bias": ("gpt_oss", {"attention_bias": False},
+                                  lambda m: "model.layers.0.self_attn.o_proj.bias" not in _params(m), True),
+    "gpt_oss_swiglu": ("gpt_oss", {"swiglu_limit": 3.0, "swiglu_alpha": 1.0},
+                       lambda m: (_spec(m).swiglu_limit, _spec(m).swiglu_alpha) == (3.0, 1.0), False),
+    "gpt_oss_all_sliding": ("gpt_oss", {"layer_types": ["sliding_attention", "sliding_attention"], "sliding_window": 3},
+                            lambda m: _windows(m) == [3, 3], False),
+    "gpt_oss_tied": ("gpt_oss", {"tie_word_embeddings": True}, _tied, True),
+    "latent_moe_sigmoid": ("latent_moe", {"router_score": "sigmoid"}, lambda m: _spec(m).score == "sigmoid", False),
+    "latent_moe_no_shared_no_norm": ("latent_moe", {"shared_expert_intermediate_size": 0, "norm_topk_prob": False},
+                                     lambda m: (_spec(m).shared_intermediate_size, _spec(m).norm_topk_prob)
+                                     == (0, False), True),
+    "latent_moe_mlp_only_layers": ("latent_moe", {"mlp_only_layers": [1]},
+                                   lambda m: [b.layer_id for b in moe_blocks(m)] == [0], True),
+    "latent_moe_window": ("latent_moe", {"use_sliding_window": True, "sliding_window": 3},
+                          lambda m: _windows(m) == [3, 3], False),
+}
+
+
+def _gpt_oss_moe(overrides, seed=0):
+    """tests/test_moe_gpt_oss.py's tiny GPT-OSS (8 experts; clamping expert weights, biases, sinks) with overrides."""
+    from test_moe_gpt_oss import _model_config
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(_model_config(**overrides), attn_implementation="eager",
+                                             dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed + 11)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.copy_(torch.randn(8, generator=g) * 2)
+            mlp = layer.mlp
+            for p, std in ((mlp.experts.gate_up_proj, 0.8), (mlp.experts.gate_up_proj_bias, 1.0),
+                           (mlp.experts.down_proj, 0.2), (mlp.experts.down_proj_bias, 0.5),
+                           (mlp.router.weight, 0.5), (mlp.router.bias, 0.5)):
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+    return model.train()
+
+
+def _latent_moe(overrides, seed=0):
+    """A LatentMoE small enough for a test (the 512 rule on latent_size is configs/validate.py's, not the model's)."""
+    from ds_ulysses_ext.moe.latent_model import LatentMoeConfig, LatentMoeForCausalLM
+    args = dict(vocab_size=96, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, latent_size=16,
+                shared_expert_intermediate_size=8, num_experts=E, num_experts_per_tok=K, norm_topk_prob=True,
+                num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=8,
+                max_position_embeddings=64, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    config = LatentMoeConfig(**{**args, **overrides})
+    config._attn_implementation = "sdpa"
+    model = LatentMoeForCausalLM(config).float()
+    with torch.no_grad():  # routers and experts drawn wide, so the top-k choice and the expert outputs matter
+        for name, p in model.named_parameters():
+            if ".mlp." in name:
+                p.normal_(0.0, 0.3)
+    return model.train()
+
+
+def _moe_model(family, overrides):
+    if family == "qwen3_moe":
+        return tiny_model("qwen3_moe", **{**QWEN_MOE, **overrides})
+    return (_gpt_oss_moe if family == "gpt_oss" else _latent_moe)(overrides)
+
+
+def _hf_reference_aux(router_logits, mask, top_of_logits):
+    """The per-sequence balance loss from HF's router logits (tests/test_moe_model.py writes it out too)."""
+    B, S_ = mask.shape
+    total = 0.0
+    for logits in router_logits:  # one [B*S, E] per MoE layer
+        probs = torch.softmax(logits.float(), -1).view(B, S_, E)
+        top = torch.topk(logits.view(B, S_, E) if top_of_logits else probs, K, dim=-1).indices
+        for b in range(B):
+            real = mask[b].bool()
+            counts = torch.bincount(top[b][real].flatten(), minlength=E).float()
+            total = total + (counts * E / (K * real.sum()) * probs[b][real].mean(0)).sum()
+    return total / B
+
+
+def _moe_reference(name):
+    """Stock HF (qwen3_moe, gpt_oss: output_router_logits and the balance loss written out), or for our own
+    latent_moe the same model unsplit in this process (every expert local, no CP group)."""
+    family, overrides, _, _ = MOE[name]
+    model = _moe_model(family, overrides)
+    ids, labels, mask = moe_batch()
+    if family == "latent_moe":
+        ctx = MoEContext(dispatcher=AllToAllDispatcher(E), cp_group=None)
+        for block in moe_blocks(model):
+            block._ctx[0] = ctx
+        model._moe_context = ctx
+        local = shard_batch({"input_ids": ids, "labels": labels, "attention_mask": mask}, Topology(1, 0, 1, 1))
+        local["moe_token_mask"] = mask
+        lm = CPCausalLM(model, loss_chunk_size=4)
+        loss_sum, count = lm(**local)
+        ce, aux = loss_sum / count, lm.moe_aux_share / ids.shape[0]
+    else:
+        out = model(input_ids=ids, output_router_logits=True, use_cache=False)
+        ce = F.cross_entropy(out.logits[:, :-1].reshape(-1, 96), labels[:, 1:].reshape(-1), ignore_index=-100)
+        aux = _hf_reference_aux(out.router_logits, mask, top_of_logits=family == "gpt_oss")
+    (ce + COEF * aux).backward()
+    return ce.detach(), aux.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _cp_moe(name):  # the model the CP side builds (a seam, as _cp_dense)
+    family, overrides, _, _ = MOE[name]
+    return _moe_model(family, overrides)
+
+
+def _moe_case(name):
+    family, _, premise, _ = MOE[name]
+    ref = _moe_reference(name)
+    topo = init_topology(2, ep_size=2)
+    model = enable_context_parallel(_cp_moe(name), topo, backend="sdpa")
+    enable_expert_parallel(model, topo, MoESettings(dispatcher="alltoall", aux_loss_coef=COEF))
+    assert premise(model), (name, "the feature is not on in the model under test")
+    names = assert_moe_split_matches(model, topo, moe_batch(), COEF, *ref, E, 1e-5)
+    assert names == set(ref[2]), name  # every parameter of the reference was compared
+
+
+def _all_moe(rank, world):
+    for name in MOE:
+        _moe_case(name)
+
+
+def test_moe_features_under_cp_and_ep_match_unsplit():
+    run_ranks(_all_moe, 2)
+
+
+# --- premises: a feature that adds no parameter must change the model (against the family's tiny default, built
+# from the same seed) by well over the tolerance of the checks above, or its case there proves nothing -----------
+
+EFFECT = 10 * 1e-5  # 10x the CP checks' rel tolerance (tiny random models: a RoPE change moves the logits ~3e-4)
+
+@pytest.mark.parametrize("name", [n for n, case in DENSE.items() if not case[3]])
+def test_each_parameter_free_dense_feature_changes_the_logits(name):
+    family, overrides, _, _ = DENSE[name]
+    ids, _ = _batch()
+    with torch.no_grad():
+        on = _dense(family, overrides)(input_ids=ids, use_cache=False).logits
+        off = _dense(family, {})(input_ids=ids, use_cache=False).logits
+    assert ((on - off).norm() / off.norm()).item() > EFFECT, name
+
+
+@pytest.mark.parametrize("name", [n for n, case in MOE.items() if not case[3]])
+def test_each_parameter_free_moe_feature_changes_the_logits(name):
+    family, overrides, _, _ = MOE[name]
+    ids, _, _ = moe_batch()
+    with torch.no_grad():
+        on = _moe_model(family, overrides)(input_ids=ids, use_cache=False).logits
+        off = _moe_model(family, {})(input_ids=ids, use_cache=False).logits
+    assert ((on - off).norm() / off.norm()).item() > EFFECT, name
+
+
+# --- the audit's own guard ----------------------------------------------------------------------------------------
+
+def test_every_config_field_of_every_family_is_audited():
+    import dataclasses
+    from transformers import AutoConfig, PreTrainedConfig
+    from ds_ulysses_ext.models import SUPPORTED
+    from ds_ulysses_ext.moe.latent_model import LatentMoeConfig, register_latent_moe
+    register_latent_moe()
+    base = {f.name for f in dataclasses.fields(PreTrainedConfig)}  # output / label bookkeeping, no model math
+    for family in SUPPORTED:
+        config_class = type(AutoConfig.for_model(family))
+        fields = {f.name for f in dataclasses.fields(config_class)} - base
+        if config_class is LatentMoeConfig:  # ours: plain __init__ arguments on top of Qwen3-MoE's fields
+            fields |= {"latent_size", "shared_expert_intermediate_size", "router_score"}
+        assert fields <= set(AUDIT), (family, "audit these fields, then add them to AUDIT", sorted(fields - set(AUDIT)))
+    covered = {case[0] for case in DENSE.values()} | {case[0] for case in MOE.values()}
+    assert covered == set(SUPPORTED), ("a registry family without feature cases", set(SUPPORTED) - covered)
+    import re
+    named = set(DENSE) | set(MOE)
+    families = "|".join(sorted(SUPPORTED, key=len, reverse=True))
+    for where in AUDIT.values():  # every case AUDIT names exists (a renamed case must be renamed there too)
+        for ref in re.findall(rf"\b(?:{families})_[a-z0-9_]*", where):
+            prefix = ref.endswith("_")  # `qwen2_window_*`: some case of that prefix
+            assert any(n.startswith(ref) for n in named) if prefix else ref in named, (where, ref)
