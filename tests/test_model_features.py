@@ -259,20 +259,8 @@ MOE = {
 
 def _gpt_oss_moe(overrides, seed=0):
     """tests/test_moe_gpt_oss.py's tiny GPT-OSS (8 experts; clamping expert weights, biases, sinks) with overrides."""
-    from test_moe_gpt_oss import _model_config
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(_model_config(**overrides), attn_implementation="eager",
-                                             dtype=torch.float32)
-    g = torch.Generator().manual_seed(seed + 11)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.sinks.copy_(torch.randn(8, generator=g) * 2)
-            mlp = layer.mlp
-            for p, std in ((mlp.experts.gate_up_proj, 0.8), (mlp.experts.gate_up_proj_bias, 1.0),
-                           (mlp.experts.down_proj, 0.2), (mlp.experts.down_proj_bias, 0.5),
-                           (mlp.router.weight, 0.5), (mlp.router.bias, 0.5)):
-                p.copy_(torch.randn(p.shape, generator=g) * std)
-    return model.train()
+    from test_moe_gpt_oss import tiny_gpt_oss
+    return tiny_gpt_oss(seed, **overrides)
 
 
 def _latent_moe(overrides, seed=0):

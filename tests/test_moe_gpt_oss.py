@@ -242,11 +242,13 @@ def _model_config(**kw):
     return GptOssConfig(**{**args, **kw})
 
 
-def tiny_gpt_oss(seed=0):
+def tiny_gpt_oss(seed=0, **overrides):
     """A tiny GPT-OSS whose experts clip at the limit (hidden states after the RMSNorm are ~unit: W std 0.8 gives
-    h std ~4.5), with non-zero expert and router biases and large, distinct sinks; eager attention."""
+    h std ~4.5), with non-zero expert and router biases and large, distinct sinks; eager attention. overrides:
+    config fields (tests/test_model_features.py)."""
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(_model_config(), attn_implementation="eager", dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(_model_config(**overrides), attn_implementation="eager",
+                                             dtype=torch.float32)
     g = torch.Generator().manual_seed(seed + 11)
     with torch.no_grad():
         for layer in model.model.layers:
