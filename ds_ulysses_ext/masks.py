@@ -147,8 +147,9 @@ def masked_attention(q_BShD: torch.Tensor, k_BShD: torch.Tensor, v_BShD: torch.T
     return _blocked(q_BShD, k_BShD, v_BShD, causal, scale, cu_seqlens, window, sinks, block)
 
 
-_PLANS: list = []  # [(weak reference to a cu_seqlens, stamp, plan)], newest first (_cached)
+_PLANS: list = []  # [(weak reference to a cu_seqlens, stamp, its values then, plan)], newest first (_cached)
 _PLANS_KEPT = 4  # both kinds of plan (per document, blocked) for this batch and the one before; older ones go
+_COMPARE_ON_HOST = ("cpu",)  # devices whose boundaries a hit compares by value and rebuilds on (no device sync)
 
 
 def _cached(cu_seqlens: torch.Tensor, key: tuple, build):
@@ -159,16 +160,30 @@ def _cached(cu_seqlens: torch.Tensor, key: tuple, build):
     in-place write through torch bumps, so boundaries rewritten in place are not served a stale plan. Shape,
     device and storage are in the stamp too, for set_ and friends. Inference tensors keep no version counter:
     they are never cached.
+
+    Writes that torch does not see (through .data, a numpy view, DLPack, a foreign kernel) leave all of that as
+    it was, so a hit also compares the values with a copy taken when the plan was built: on the CPU at once (a
+    mismatch builds a new plan); on a GPU as a device-side assertion, which costs no host sync and stops the run
+    loudly rather than serve another batch's plan.
     """
     if cu_seqlens.is_inference():
         return build()
     stamp = (cu_seqlens._version, tuple(cu_seqlens.shape), cu_seqlens.device, cu_seqlens.data_ptr(), key)
-    for ref, seen, plan in _PLANS:
+    for ref, seen, values, plan in _PLANS:
         if ref() is cu_seqlens and seen == stamp:
+            same = (values == cu_seqlens).all()
+            if cu_seqlens.device.type in _COMPARE_ON_HOST:
+                if bool(same):
+                    return plan
+                break  # rewritten behind torch's back: a new plan replaces this one
+            torch._assert_async(same, "masks.py: cu_seqlens was rewritten without torch seeing it (through .data, "
+                                      "numpy or a foreign kernel) after its document plan was built; give each "
+                                      "batch a new tensor or write it with torch ops")
             return plan
     plan = build()
-    alive = [entry for entry in _PLANS if entry[0]() is not None]
-    _PLANS[:] = [(weakref.ref(cu_seqlens), stamp, plan)] + alive[:_PLANS_KEPT - 1]
+    alive = [entry for entry in _PLANS
+             if entry[0]() is not None and not (entry[0]() is cu_seqlens and entry[1] == stamp)]
+    _PLANS[:] = [(weakref.ref(cu_seqlens), stamp, cu_seqlens.detach().clone(), plan)] + alive[:_PLANS_KEPT - 1]
     return plan
 
 

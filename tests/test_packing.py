@@ -233,3 +233,42 @@ def test_one_plan_serves_every_layer_of_a_step_and_its_recompute(monkeypatch):
     model = enable_context_parallel(model, topo, backend="sdpa")
     cp_loss_and_grads(model, topo, packed_batch())
     assert len(calls) == 2 * model.config.num_hidden_layers >= 4 and len(builds) == 1
+
+
+@pytest.mark.parametrize("rewrite", ["data", "numpy"])
+@pytest.mark.parametrize("window", [None, 3])
+def test_boundaries_rewritten_behind_torchs_back_get_a_fresh_plan(rewrite, window):
+    # writes through .data or a numpy view change a tensor's values without bumping its version counter: the
+    # same live object, same version, same storage. The plan cached on it must not answer for the new boundaries
+    # (on CPU the cache compares the values, which costs no device sync there)
+    from ds_ulysses_ext import masks
+    q, k, v = _attention_inputs(7)
+    other = [[2, 9, 2], [6, 1, 6]]
+    fresh = cu_seqlens_of(_positions(other))
+    cu = cu_seqlens_of(packed_batch()["position_ids"])
+    masks.masked_attention(q, k, v, cu_seqlens=cu, window=window, block=6)  # caches a plan on cu
+    version = cu._version
+    if rewrite == "data":
+        cu.data.copy_(fresh)
+    else:
+        cu.numpy()[:] = fresh.numpy()
+    assert cu._version == version and torch.equal(cu, fresh)  # the premise: torch saw no write
+    got = masks.masked_attention(q, k, v, cu_seqlens=cu, window=window, block=6)
+    want = masks.masked_attention(q, k, v, cu_seqlens=fresh.clone(), window=window, block=6)
+    assert torch.equal(got, want)
+    if window is None:
+        _check_documents_one_by_one(got, q, k, v, other, True)
+
+
+def test_on_a_gpu_boundaries_rewritten_behind_torchs_back_stop_the_run(monkeypatch):
+    # a GPU compares on the device, without a host sync: a stale plan there is a device-side assertion. CPU stands
+    # in for the GPU (its _assert_async raises at once); unchanged boundaries still hit the plan
+    from ds_ulysses_ext import masks
+    monkeypatch.setattr(masks, "_COMPARE_ON_HOST", ())
+    q, k, v = _attention_inputs(8)
+    cu = cu_seqlens_of(packed_batch()["position_ids"])
+    first = masks.masked_attention(q, k, v, cu_seqlens=cu, block=6)
+    assert torch.equal(masks.masked_attention(q, k, v, cu_seqlens=cu, block=6), first)
+    cu.data.copy_(cu_seqlens_of(_positions([[2, 9, 2], [6, 1, 6]])))
+    with pytest.raises(RuntimeError, match="cu_seqlens was rewritten without torch seeing it"):
+        masks.masked_attention(q, k, v, cu_seqlens=cu, block=6)
