@@ -47,7 +47,8 @@
 #                `stage:minutes` (default "256:1.5 1k:2.3 32k:4"; then "128k:3.2" in a second call, as the
 #                machine keeps outputs/ while warm), experiment=llama1b_1gpu_passkey_<stage> cut by
 #                trainer.max_minutes, each reading the previous stage's export; $PK_ARGS: more overrides for every
-#                stage. Each stage's metrics.jsonl, retrieval.json and .png go to $OUT as one tar (fewer files)
+#                stage. Each stage's metrics.jsonl, retrieval.json and .png go to $OUT as one tar (fewer files);
+#                a stage that fails stops the chain (the next would read a missing or an earlier call's export)
 #   gpu_tests    the suite's GPU-only tests (skipped on CPU): tests/test_gpu_paths.py (the fused ring kernel, the
 #                packed and sink SDPA paths, bf16 against exact references) and GPT-OSS's grouped_mm experts;
 #                the log is $OUT/gpu_tests.txt. Run it before measuring those paths. After site_fa4 site_cu13
@@ -112,9 +113,12 @@ for part in ${*:-attn train_short train_long}; do
                name=llama1b_1gpu_passkey_${st%%:*}
                python3 -m torch.distributed.run --standalone --nproc_per_node=1 scripts/train.py experiment=$name \
                  trainer.max_minutes=${st##*:} logging.progress_bar=false ${PK_ARGS:-} > "$OUT/$name.log" 2>&1
-               echo "$name rc=$?"; grep -h '"retrieval_acc"' outputs/$name/metrics.jsonl | cut -c1-120 | tail -3
+               rc=$?; echo "$name rc=$rc"; grep -h '"retrieval_acc"' outputs/$name/metrics.jsonl | cut -c1-120 | tail -3
                tar cf "$OUT/$name.tar" -C outputs $name/metrics.jsonl $name/retrieval.json $name/retrieval.png \
                  $name/config.json 2>/dev/null
+               # the next stage reads this one's export: after a failure it would train from a missing one or, on
+               # a warm machine, from an earlier call's
+               [ $rc -eq 0 ] || { echo "passkey: $name failed (rc=$rc, $OUT/$name.log); later stages not run"; break; }
              done ;;
     gpu_tests) { python3 -m pytest -q -rs -p no:cacheprovider tests/test_gpu_paths.py
                  python3 -m pytest -q -rs -p no:cacheprovider tests/test_moe_gpt_oss.py -k grouped; } 2>&1 \
