@@ -313,8 +313,9 @@ def _blocked(q_BShD, k_BShD, v_BShD, causal, scale, cu_seqlens, window, sinks, b
     doc_BS = first_key = None
     if cu_seqlens is not None:
         if layout is None:  # once per batch, not per layer: its host copy waits for the device
-            layout = _cached(cu_seqlens, ("blocked", B, S, block),
-                             lambda: _block_layout(cu_seqlens, B, S, block))
+            # built on q's device: the block masks index the document ids with q's indices
+            layout = _cached(cu_seqlens, ("blocked", B, S, block, q.device),
+                             lambda: _block_layout(cu_seqlens.to(q.device), B, S, block))
         doc_BS, first_key = layout
     outs = []
     for qs in range(0, S, block):
