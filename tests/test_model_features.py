@@ -216,6 +216,28 @@ def test_dense_features_under_cp_match_unsplit():
     run_ranks(_all_dense, 2)
 
 
+def _dense_cases_without_their_feature(rank, world):
+    # the seam: the CP side builds the family's default model, the reference keeps the feature; every case must fail
+    global _cp_dense
+    real = _cp_dense
+    try:
+        for name, (family, _, _, changes_parameters) in DENSE.items():
+            if changes_parameters:  # those fail on the compared names already (_dense_case's first assert)
+                continue
+            _cp_dense = lambda _name, family=family: _dense(family, {})
+            try:
+                _dense_case(name, 1)
+            except AssertionError:
+                continue
+            raise RuntimeError(f"{name}: the CP check passed with the feature off on the CP side")
+    finally:
+        _cp_dense = real
+
+
+def test_each_dense_case_fails_when_cp_runs_without_its_feature():
+    run_ranks(_dense_cases_without_their_feature, 2)
+
+
 # --- MoE features through our block (what the engine runs for these families) at cp 2 x ep 2 ---------------------
 
 COEF = 0.1  # large, so the balance loss moves the router gradient far beyond the tolerance
