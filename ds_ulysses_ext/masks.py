@@ -209,7 +209,7 @@ def _document_plan(cu_seqlens, B, S, causal, block, device) -> _DocumentPlan:
     short, run = {}, None
 
     def flush():
-        if run is not None:
+        if run is not None and bounds[run[1] + 1] > bounds[run[0]]:  # a run of empty documents has no rows
             first, last = run
             a, b = bounds[first], bounds[last + 1]
             local = torch.tensor([x - a for x in bounds[first:last + 2]], dtype=torch.int32, device=device)

@@ -272,3 +272,15 @@ def test_on_a_gpu_boundaries_rewritten_behind_torchs_back_stop_the_run(monkeypat
     cu.data.copy_(cu_seqlens_of(_positions([[2, 9, 2], [6, 1, 6]])))
     with pytest.raises(RuntimeError, match="cu_seqlens was rewritten without torch seeing it"):
         masks.masked_attention(q, k, v, cu_seqlens=cu, block=6)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("block", [4, 6, 64])
+def test_empty_documents_in_hand_made_boundaries_add_nothing(causal, block):
+    # varlen boundaries may repeat (an empty document, as flash-attn accepts); cu_seqlens_of never makes them, a
+    # user's own loop may. DOCS with empty documents at the start, between documents, at a row boundary and the end
+    from ds_ulysses_ext import masks
+    q, k, v = _attention_inputs(9)
+    cu = torch.tensor([0, 0, 5, 5, 9, 13, 13, 16, 23, 26, 26], dtype=torch.int32)
+    out = masks.masked_attention(q, k, v, causal=causal, cu_seqlens=cu, block=block)
+    _check_documents_one_by_one(out, q, k, v, DOCS, causal)
