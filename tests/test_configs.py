@@ -539,3 +539,18 @@ def test_length_dependent_rope_needs_a_seq_len_that_cp_divides(rope_type):
         validate(cfg, world_size=4)
     cfg.model.arch["rope_scaling"] = ROPE_ACCEPTED["yarn"]  # static frequencies: the pads change nothing
     assert validate(cfg, world_size=4).seq_len == 254
+
+
+def test_the_gpu_passkey_curriculum_is_a_chain():
+    # each stage of the 4-stage curriculum (docs/retrieval.md, scripts/bench_gpu.sh passkey) starts from the stage
+    # before's HF export, the first from random init; a stage pointing elsewhere would train on without a word
+    stages = ["256", "1k", "32k", "128k"]
+    cfgs = [compose_config([f"experiment=llama1b_1gpu_passkey_{s}"]) for s in stages]
+    assert cfgs[0].model.source != "pretrained"
+    for before, cfg in zip(cfgs, cfgs[1:]):
+        assert cfg.model.source == "pretrained"
+        assert Path(cfg.model.path) == Path(before.run.out_dir or f"outputs/{before.run.name}") / "hf_export", (
+            cfg.run.name, cfg.model.path)
+    assert all(c.trainer.export_hf for c in cfgs[:-1])  # what the next stage reads
+    lengths = [max(c.data.passkey.lengths) for c in cfgs]
+    assert lengths == sorted(lengths) and all(c.data.passkey.key_length == 2 for c in cfgs)
