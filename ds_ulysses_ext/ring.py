@@ -119,7 +119,8 @@ def _query_blocks(mask: BlockMask, Lq: int, Lk: int) -> list:
     positions k_pos[ks:ke] in [first query - window + 1, last query]: a superset of what it sees (masked keys add
     exact zeros), far fewer than Lk when the window is short (GPT-OSS: 128 in a share of thousands). For that the
     blocks also break where the query positions jump (a share's two zigzag chunks), so no block spans the gap.
-    Both position lists are increasing (zigzag chunks in order); two host syncs per call."""
+    Both position lists are increasing (zigzag chunks in order; keys out of order are refused); two host syncs
+    per call."""
     if mask.window is None:
         return [(qs, min(Lq, qs + QUERY_BLOCK), 0, Lk) for qs in range(0, Lq, QUERY_BLOCK)]
     q = mask.q_pos
@@ -129,7 +130,14 @@ def _query_blocks(mask: BlockMask, Lq: int, Lk: int) -> list:
     last = q[torch.tensor([b - 1 for _, b in rows], device=q.device)]
     ks = torch.searchsorted(mask.k_pos, first - mask.window + 1)
     ke = torch.searchsorted(mask.k_pos, last, right=True) if mask.causal else torch.full_like(ks, Lk)
-    return [(a, b, s, e) for (a, b), s, e in zip(rows, ks.tolist(), ke.tolist())]
+    # the binary search needs increasing keys (out of order it would drop visible ones): checked in the same copy
+    unordered = (mask.k_pos[1:] <= mask.k_pos[:-1]).any().reshape(1).to(ks.dtype)
+    spans = torch.cat([ks, ke, unordered]).tolist()
+    if spans[-1]:
+        raise ValueError("ring attention: the block's key positions must increase for the window's key narrowing "
+                         "(zigzag shares in chunk order, share_positions)")
+    n = len(rows)
+    return [(a, b, s, e) for (a, b), s, e in zip(rows, spans[:n], spans[n:2 * n])]
 
 
 def _finite(lse: torch.Tensor) -> torch.Tensor:

@@ -382,6 +382,17 @@ def test_the_torch_kernel_reads_only_the_keys_a_window_reaches(window, monkeypat
         torch.testing.assert_close(got.double(), want.detach(), rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_the_window_narrowing_refuses_keys_out_of_order():
+    # _query_blocks finds each block's keys by binary search over k_pos: keys out of order would drop visible keys
+    # silently (the masked kernel itself takes any order). Every caller in ring.py passes increasing positions
+    pos = ring_mod.share_positions(torch.arange(32), 2, 0)  # 0..7 and 24..31
+    keys = pos[torch.randperm(16, generator=torch.Generator().manual_seed(0))]
+    q, k, v = (torch.randn(1, 2, 16, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    with pytest.raises(ValueError, match="key positions .* increase"):
+        ring_mod._torch_block_forward(q, k, v, 8 ** -0.5, ring_mod.BlockMask(True, pos, keys, None, 4))
+    ring_mod._torch_block_forward(q, k, v, 8 ** -0.5, ring_mod.BlockMask(True, pos, keys, None, None))  # no window
+
+
 def _count_skipped_blocks(rank, world, window, expected):
     # ring 4 over 32 tokens: 8 zigzag chunks of 4; rank r holds chunks r and 7 - r. With a window of at most a chunk,
     # a query sees keys of its own chunk and the one before only, so every step whose share holds neither is skipped;
