@@ -44,8 +44,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import ds_ulysses_ext.ring as ring_mod  # noqa: E402
+import ds_ulysses_ext.ring_blocks as blocks_mod  # noqa: E402
 from ds_ulysses_ext.backends import local_attention, sdpa_attention  # noqa: E402
-from ds_ulysses_ext.ring import BlockMask, share_positions  # noqa: E402
+from ds_ulysses_ext.ring import share_positions  # noqa: E402
+from ds_ulysses_ext.ring_blocks import BlockMask  # noqa: E402
 
 
 def sync(device):
@@ -155,7 +157,7 @@ def _ring_sdpa_blocks(q, k, v, dout, R, prepared):
             with torch.no_grad():  # ring.py's merge, on a stand-in for the block's log-sum-exp
                 l_b = torch.randn(o_b.shape[:3], device=q.device)
                 merged = torch.logaddexp(lse[:, :, rows], l_b)
-                safe = ring_mod._finite(merged)
+                safe = blocks_mod._finite(merged)
                 out[:, :, rows] = (out[:, :, rows] * torch.exp(lse[:, :, rows] - safe)[..., None]
                                    + o_b.float() * torch.exp(l_b - safe)[..., None])
                 lse[:, :, rows] = merged
@@ -282,7 +284,7 @@ def part_ring(args, q, k, v, dout, anchor, base):
                         anchor_tflops=ratio(causal_flops(S, args.hq, args.head_dim) / 1e12, med["anchor"]),
                         # "ring_torch" is ring.py as shipped: its block kernel is torch's flash kernel where the
                         # fused path takes the blocks (CUDA bf16/fp16, checked at first use), else the torch kernel
-                        ring_block_kernel=("fused flash" if ring_mod._fused_kernel(qr) is not None
+                        ring_block_kernel=("fused flash" if blocks_mod._fused_kernel(qr) is not None
                                            else "exact torch"),
                         ring_torch_ranks_run=len(ranks), ring_torch_ms_measured=ms(med["ring_torch"]),
                         ring_torch_ms_all_ranks=ms(torch_all), ring_torch_overhead_pct=pct(torch_all, med["anchor"]),
@@ -294,7 +296,7 @@ def part_ring(args, q, k, v, dout, anchor, base):
                         sdpa_block_kernels=dict(step0_causal=sdp_choice(qr, kr) if q.is_cuda else "cpu",
                                                 half_block=sdp_choice(qr[:, :, L // 2:], kr.contiguous(), causal=False)
                                                 if q.is_cuda else "cpu"),
-                        query_block=ring_mod.QUERY_BLOCK, reps={n: len(t) for n, t in times.items()},
+                        query_block=blocks_mod.QUERY_BLOCK, reps={n: len(t) for n, t in times.items()},
                         warmup_ms={n: ms(w) for n, w in warm.items()}, errors=errors,
                         times_ms={n: [ms(x) for x in t] for n, t in times.items()}))
         prepared = shares = None  # free this ring size's shares before the next
@@ -342,15 +344,15 @@ def part_ring_window(args, q, k, v, dout, base):
             plain = rank_inputs(q, k, v, dout, R, 0, None, shares)
             windowed = rank_inputs(q, k, v, dout, R, 0, w, shares)
             calls = {"n": 0}
-            forward = ring_mod.block_forward
+            forward = blocks_mod.block_forward
 
             def counting(*a):
                 calls["n"] += 1
                 return forward(*a)
 
-            ring_mod.block_forward = counting
+            blocks_mod.block_forward = counting
             ring_rank(q, k, v, dout, R, 0, prepared=windowed)
-            ring_mod.block_forward = forward
+            blocks_mod.block_forward = forward
             variants = {"ring_torch": lambda: ring_rank(q, k, v, dout, R, 0, prepared=plain),
                         "ring_torch_window": lambda: ring_rank(q, k, v, dout, R, 0, prepared=windowed)}
             times, warm, errors = interleaved(variants, args.reps, q.device, args.budget_s)
@@ -397,7 +399,7 @@ def main():
     args.windows = [int(x) for x in args.windows.split(",") if x]
     args.sink_windows = [int(x) for x in args.sink_windows.split(",") if x]
     if args.query_block:
-        ring_mod.QUERY_BLOCK = args.query_block
+        blocks_mod.QUERY_BLOCK = args.query_block
     import ds_ulysses_ext.masks as masks_mod
     if args.mask_block:
         masks_mod.QUERY_BLOCK = args.mask_block
@@ -415,8 +417,8 @@ def main():
         Sc = math.lcm(*(2 * R for R in args.rings)) * 8
         qc, kc, vc, dc = (torch.randn(1, h, Sc, D, device=device, generator=gen)
                           for h in (args.hq, args.hkv, args.hkv, args.hq))
-        saved = ring_mod.QUERY_BLOCK
-        ring_mod.QUERY_BLOCK = 5  # several query blocks per ring block
+        saved = blocks_mod.QUERY_BLOCK
+        blocks_mod.QUERY_BLOCK = 5  # several query blocks per ring block
         for R in args.rings:
             for w in [None] + [max(1, Sc // (4 * R)), 3]:
                 try:
@@ -425,7 +427,7 @@ def main():
                 except AssertionError as e:  # the timings below still stand; the exit status says it failed
                     failed.append(str(e))
                     print(f"CHECK FAILED: {e}", flush=True)
-        ring_mod.QUERY_BLOCK = saved
+        blocks_mod.QUERY_BLOCK = saved
     gen = torch.Generator(device=device).manual_seed(0)
     q, k, v, dout = (torch.randn(1, h, S, D, device=device, dtype=dtype, generator=gen)
                      for h in (args.hq, args.hkv, args.hkv, args.hq))  # [B h S D], ring.py's layout

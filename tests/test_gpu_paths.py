@@ -26,14 +26,14 @@ def _rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-def _count_fused_calls(ring_mod, D, monkeypatch) -> list:
+def _count_fused_calls(blocks_mod, D, monkeypatch) -> list:
     """The once-per-process check of the fused kernel against the torch kernel first (it must pass); then a list
     that grows by one per fused forward call of the ring."""
-    assert ring_mod._checked(ring_mod._CudaFlash, torch.device("cuda", torch.cuda.current_device()), torch.bfloat16,
+    assert blocks_mod._checked(blocks_mod._CudaFlash, torch.device("cuda", torch.cuda.current_device()), torch.bfloat16,
                              D), "the fused kernel was left out: see the log line that says why"
     calls = []
-    real = ring_mod._CudaFlash.forward
-    monkeypatch.setattr(ring_mod._CudaFlash, "forward", staticmethod(lambda *a: calls.append(1) or real(*a)))
+    real = blocks_mod._CudaFlash.forward
+    monkeypatch.setattr(blocks_mod._CudaFlash, "forward", staticmethod(lambda *a: calls.append(1) or real(*a)))
     return calls
 
 
@@ -47,10 +47,10 @@ def _ring_inputs(S, D, seed):
 
 @pytest.mark.parametrize("R", [2, 4])
 def test_fused_ring_blocks_reassemble_exact_attention(R, monkeypatch):
-    import ds_ulysses_ext.ring as ring_mod
+    import ds_ulysses_ext.ring_blocks as blocks_mod
     from bench_attn_features import check_ring
     S, D = 4096, 64
-    calls = _count_fused_calls(ring_mod, D, monkeypatch)
+    calls = _count_fused_calls(blocks_mod, D, monkeypatch)
     q, k, v, dout = _ring_inputs(S, D, seed=0)
     rels = check_ring(q, k, v, dout, R, None, rtol=TOL)
     assert len(calls) == R * R, (calls, rels)  # every rank's every step ran fused
@@ -104,11 +104,12 @@ def test_sinks_through_sdpa_match_the_definition():
 def test_fused_ring_with_packed_documents_reassembles_exact_attention(monkeypatch):
     # the whole simulated ring of 2 ranks with packed documents: one fused call per document part of each block
     import ds_ulysses_ext.ring as ring_mod
+    import ds_ulysses_ext.ring_blocks as blocks_mod
     from bench_attn_features import OneGpuRing, kv_shares
     from ds_ulysses_ext.masks import cu_seqlens_of, document_ids, masked_attention
     R, S, D = 2, 4096, 64
     lengths = [1000, 37, 1500, 600, 959]  # documents that cross the zigzag chunks
-    calls = _count_fused_calls(ring_mod, D, monkeypatch)
+    calls = _count_fused_calls(blocks_mod, D, monkeypatch)
     q, k, v, dout = _ring_inputs(S, D, seed=3)
     cu = cu_seqlens_of(torch.cat([torch.arange(n) for n in lengths])[None].cuda())
     qf, kf, vf = (t.detach().double().requires_grad_() for t in (q, k, v))
@@ -121,7 +122,7 @@ def test_fused_ring_with_packed_documents_reassembles_exact_attention(monkeypatc
     dkv = torch.zeros(kf.shape[:3] + (2 * D,), dtype=torch.float64, device="cuda")
     for r in range(R):
         idx = ring_mod.share_positions(all_pos, R, r)
-        mask = ring_mod.BlockMask(True, idx, all_pos, doc, None)
+        mask = blocks_mod.BlockMask(True, idx, all_pos, doc, None)
         qr, kr, vr, dr = (t[:, :, idx].contiguous() for t in (q, k, v, dout))
         o, lse = ring_mod._ring_forward(qr, kr, vr, D ** -0.5, mask, OneGpuRing(r, R, shares, False))
         bwd = OneGpuRing(r, R, shares, True, keep=True)

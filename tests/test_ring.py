@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import ds_ulysses_ext.ring as ring_mod
+import ds_ulysses_ext.ring_blocks as blocks_mod
 from cp_check import assert_share_matches_unsplit
 from dist_harness import run_ranks
 from ds_ulysses_ext import init_topology
@@ -38,7 +39,7 @@ def _reference(q, k, v, dout, causal):
 
 
 def _check(rank, world, ring, causal, hkv):
-    ring_mod.QUERY_BLOCK = 3
+    blocks_mod.QUERY_BLOCK = 3
     topo = init_topology(world, ring_size=ring)
     assert topo.ring_size == ring and topo.ulysses_size == world // ring
     S = 13
@@ -72,8 +73,8 @@ def _force_fused_on_cpu() -> dict:
             return fn(*args)
         return staticmethod(call)
 
-    ring_mod.FUSED_ON_CPU = True
-    flash = ring_mod._CpuFlash
+    blocks_mod.FUSED_ON_CPU = True
+    flash = blocks_mod._CpuFlash
     flash.forward, flash.backward = count("forward", flash.forward), count("backward", flash.backward)
     return calls
 
@@ -94,42 +95,42 @@ def test_fused_block_kernel_ring_matches_full_attention(world, ring, hkv, causal
 
 
 def test_fused_flag_names_only_the_blocks_a_kernel_flag_can_say():
-    BM = ring_mod.BlockMask
+    BM = blocks_mod.BlockMask
     pos = torch.tensor([0, 1, 2, 3, 12, 13, 14, 15])  # a zigzag share: chunks 0 and 3 of 4
-    assert ring_mod._fused_flag(BM(True, pos, pos)) is True                       # step 0: the causal diagonal
-    assert ring_mod._fused_flag(BM(True, pos, torch.tensor([0, 1]))) is None      # partly visible: masked kernel
-    assert ring_mod._fused_flag(BM(True, pos[4:], torch.arange(4, 12))) is False  # a later rank's share, seen whole
-    assert ring_mod._fused_flag(BM(True, torch.arange(4, 8), torch.arange(4))) is False
-    assert ring_mod._fused_flag(BM(False, pos, torch.arange(16))) is False
-    assert ring_mod._fused_flag(BM(True, pos, pos, window=4)) is None
-    assert ring_mod._fused_flag(BM(True, pos, pos, doc=torch.zeros(1, 16, dtype=torch.long))) is None
+    assert blocks_mod._fused_flag(BM(True, pos, pos)) is True                       # step 0: the causal diagonal
+    assert blocks_mod._fused_flag(BM(True, pos, torch.tensor([0, 1]))) is None      # partly visible: masked kernel
+    assert blocks_mod._fused_flag(BM(True, pos[4:], torch.arange(4, 12))) is False  # a later rank's share, seen whole
+    assert blocks_mod._fused_flag(BM(True, torch.arange(4, 8), torch.arange(4))) is False
+    assert blocks_mod._fused_flag(BM(False, pos, torch.arange(16))) is False
+    assert blocks_mod._fused_flag(BM(True, pos, pos, window=4)) is None
+    assert blocks_mod._fused_flag(BM(True, pos, pos, doc=torch.zeros(1, 16, dtype=torch.long))) is None
 
 
 def test_a_fused_kernel_that_disagrees_is_refused_and_one_that_cannot_run_is_left_out(caplog):
-    class Wrong(ring_mod._CpuFlash):
+    class Wrong(blocks_mod._CpuFlash):
         @staticmethod
         def forward(q, k, v, scale, is_causal):
-            out, lse = ring_mod._CpuFlash.forward(q, k, v, scale, is_causal)
+            out, lse = blocks_mod._CpuFlash.forward(q, k, v, scale, is_causal)
             return out, lse + 0.1
 
-    class Broken(ring_mod._CpuFlash):
+    class Broken(blocks_mod._CpuFlash):
         @staticmethod
         def forward(q, k, v, scale, is_causal):
             raise RuntimeError("no kernel image for this device")
 
-    class Padded(ring_mod._CpuFlash):  # a log-sum-exp padded past the query rows, as some kernels return it
+    class Padded(blocks_mod._CpuFlash):  # a log-sum-exp padded past the query rows, as some kernels return it
         @staticmethod
         def forward(q, k, v, scale, is_causal):
-            out, lse = ring_mod._CpuFlash.forward(q, k, v, scale, is_causal)
+            out, lse = blocks_mod._CpuFlash.forward(q, k, v, scale, is_causal)
             return out, F.pad(lse, (0, 64))
 
     device = torch.device("cpu")
-    assert ring_mod._checked(ring_mod._CpuFlash, device, torch.float32, 8) is True
-    assert ring_mod._checked(Padded, device, torch.float32, 8) is False
+    assert blocks_mod._checked(blocks_mod._CpuFlash, device, torch.float32, 8) is True
+    assert blocks_mod._checked(Padded, device, torch.float32, 8) is False
     assert "the fused Padded kernel returns out (1, 2, 192, 8) / lse (1, 2, 256)" in caplog.text
     with pytest.raises(RuntimeError, match=r"fused Wrong kernel disagrees with the exact torch block kernel on cpu .*\(lse: error 1.0"):
-        ring_mod._checked(Wrong, device, torch.float32, 8)
-    assert ring_mod._checked(Broken, device, torch.float32, 8) is False
+        blocks_mod._checked(Wrong, device, torch.float32, 8)
+    assert blocks_mod._checked(Broken, device, torch.float32, 8) is False
     assert "the fused Broken kernel cannot run on cpu" in caplog.text
 
 
@@ -196,7 +197,7 @@ def _model_reference(family, overrides):
 def _model_check(rank, world, family, ring, overrides):
     from ds_ulysses_ext import CPCausalLM, enable_context_parallel, shard_batch
     from tiny_models import tiny_model
-    ring_mod.QUERY_BLOCK = 5
+    blocks_mod.QUERY_BLOCK = 5
     ref_loss, ref_grads = _model_reference(family, overrides)
     topo = init_topology(world, ring_size=ring)
     model = enable_context_parallel(tiny_model(family, **overrides), topo, backend="sdpa")
@@ -291,7 +292,7 @@ def _masked_reference(q, k, v, dout, cu, window, sinks):
 
 def _check_masked(rank, world, ring, window, with_sinks):
     from ds_ulysses_ext.masks import cu_seqlens_of
-    ring_mod.QUERY_BLOCK = 3
+    blocks_mod.QUERY_BLOCK = 3
     topo = init_topology(world, ring_size=ring)
     Sp = 16
     q, k, v, dout = _inputs(Sp, 2, Sp)
@@ -359,17 +360,17 @@ def test_the_torch_kernel_reads_only_the_keys_a_window_reaches(window, monkeypat
     # rank 1's own block (step 0) of a 4-rank zigzag ring over 64 tokens: its share is chunks 1 and 6 (positions
     # 8..15 and 48..55), query blocks of 4 rows. Each block must read only the keys its window reaches, never across
     # the gap between the chunks, and give the dense fp64 answer (out, lse, dq, dk, dv) on the full block.
-    monkeypatch.setattr(ring_mod, "QUERY_BLOCK", 4)
+    monkeypatch.setattr(blocks_mod, "QUERY_BLOCK", 4)
     pos = ring_mod.share_positions(torch.arange(64), 4, 1)
-    mask = ring_mod.BlockMask(True, pos, pos, None, window)
+    mask = blocks_mod.BlockMask(True, pos, pos, None, window)
     g = torch.Generator().manual_seed(0)
     q, dout = (torch.randn(1, 4, 16, 8, generator=g) for _ in range(2))  # fp32, the kernel's precision
     k, v = (torch.randn(1, 2, 16, 8, generator=g) for _ in range(2))
-    widths, real = [], ring_mod._logits
-    monkeypatch.setattr(ring_mod, "_logits", lambda qb, kb, *a: widths.append(kb.shape[2]) or real(qb, kb, *a))
-    out, lse = ring_mod._torch_block_forward(q, ring_mod._expand(k, 4), ring_mod._expand(v, 4), 8 ** -0.5, mask)
+    widths, real = [], blocks_mod._logits
+    monkeypatch.setattr(blocks_mod, "_logits", lambda qb, kb, *a: widths.append(kb.shape[2]) or real(qb, kb, *a))
+    out, lse = blocks_mod._torch_block_forward(q, blocks_mod._expand(k, 4), blocks_mod._expand(v, 4), 8 ** -0.5, mask)
     delta = (dout * out).sum(-1)
-    dq, dk, dv = ring_mod._torch_block_backward(q, k, v, dout, lse, delta, 8 ** -0.5, mask)
+    dq, dk, dv = blocks_mod._torch_block_backward(q, k, v, dout, lse, delta, 8 ** -0.5, mask)
     assert widths and max(widths) <= min(16, window + 3), widths  # a block of 4 rows reaches window + 3 keys
     qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))  # the reference in fp64
     ke, ve = (t.repeat_interleave(2, dim=1) for t in (kr, vr))
@@ -389,8 +390,8 @@ def test_the_window_narrowing_refuses_keys_out_of_order():
     keys = pos[torch.randperm(16, generator=torch.Generator().manual_seed(0))]
     q, k, v = (torch.randn(1, 2, 16, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
     with pytest.raises(ValueError, match="key positions .* increase"):
-        ring_mod._torch_block_forward(q, k, v, 8 ** -0.5, ring_mod.BlockMask(True, pos, keys, None, 4))
-    ring_mod._torch_block_forward(q, k, v, 8 ** -0.5, ring_mod.BlockMask(True, pos, keys, None, None))  # no window
+        blocks_mod._torch_block_forward(q, k, v, 8 ** -0.5, blocks_mod.BlockMask(True, pos, keys, None, 4))
+    blocks_mod._torch_block_forward(q, k, v, 8 ** -0.5, blocks_mod.BlockMask(True, pos, keys, None, None))  # no window
 
 
 def _count_skipped_blocks(rank, world, window, expected):
@@ -398,9 +399,9 @@ def _count_skipped_blocks(rank, world, window, expected):
     # a query sees keys of its own chunk and the one before only, so every step whose share holds neither is skipped;
     # the outputs and all gradients still equal the fp64 torch path
     from ds_ulysses_ext.masks import masked_attention
-    ring_mod.QUERY_BLOCK = 3
+    blocks_mod.QUERY_BLOCK = 3
     calls = {"forward": 0, "backward": 0}
-    forward, backward = ring_mod.block_forward, ring_mod.block_backward
+    forward, backward = blocks_mod.block_forward, blocks_mod.block_backward
 
     def counted(name, fn):
         def call(*args, **kwargs):
@@ -408,7 +409,7 @@ def _count_skipped_blocks(rank, world, window, expected):
             return fn(*args, **kwargs)
         return call
 
-    ring_mod.block_forward, ring_mod.block_backward = counted("forward", forward), counted("backward", backward)
+    blocks_mod.block_forward, blocks_mod.block_backward = counted("forward", forward), counted("backward", backward)
     topo = init_topology(world, ring_size=world)
     Sp = 32
     q, k, v, dout = _inputs(Sp, 2, Sp)
