@@ -64,8 +64,8 @@ def score_retrieval(model, task: PasskeyTask, seed: int, lengths: Sequence[int],
     cells = grid(lengths, depths)
     # per cell: samples retrieved whole, and answer tokens right / counted (the token accuracy shows a copy that
     # is forming before whole answers come out right)
-    right, tokens = (torch.zeros(len(cells), dtype=torch.float64, device=device) for _ in range(2))
-    tokens_right = torch.zeros(len(cells), dtype=torch.float64, device=device)
+    sums = torch.zeros(3, len(cells), dtype=torch.float64, device=device)
+    right, tokens_right, tokens = sums  # views: one all-reduce sums all three
     lm = getattr(model, "module", model)
     model.eval()
     try:
@@ -90,7 +90,6 @@ def score_retrieval(model, task: PasskeyTask, seed: int, lengths: Sequence[int],
                             tokens[it[0]] += counts[row]
     finally:
         model.train()
-    sums = torch.stack([right, tokens_right, tokens])
     dist.all_reduce(sums)
     acc = (sums[0] / per_cell).tolist()
     tok = (sums[1] / sums[2].clamp_min(1)).tolist()

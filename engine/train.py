@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from configs import Plan, TrainConfig
 from ds_ulysses_ext import init_topology
-from ds_ulysses_ext.masks import document_starts
+from ds_ulysses_ext.masks import cu_seqlens_of
 
 from . import checkpoint
 from .build import build, is_moe, moe_step_end
@@ -196,8 +196,7 @@ def packed_attention_sq(micro_batches, hf_config, topo, device):
     windows = layer_windows(hf_config)
     local = 0.0
     for mb in micro_batches:
-        starts = document_starts(mb["position_ids"]).reshape(-1).nonzero().flatten().tolist()
-        bounds = starts + [mb["position_ids"].numel()]
+        bounds = cu_seqlens_of(mb["position_ids"]).tolist()
         local += attention_sq([b - a for a, b in zip(bounds[:-1], bounds[1:])], windows)
     total = torch.tensor([local], dtype=torch.float64, device=device)
     if dist.is_initialized():
