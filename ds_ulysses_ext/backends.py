@@ -14,9 +14,10 @@ The choice is logged once per process per (backend, device type).
 
 Packed documents (`cu_seqlens`, flat [N+1] int32 over the B * S tokens), a sliding `window` and learned
 `sinks` ([h], this tensor's query heads) go to the varlen / windowed kernels where the chosen one has them
-(flash_attn: documents and windows; fa4: documents, windows and sinks), and otherwise to the exact torch path
-(masks.masked_attention). `sdpa` with any of them is that torch path. A kernel named explicitly that lacks a
-feature the model uses is refused; `auto` falls back to the torch path and logs it once.
+(flash_attn: documents and windows; fa4: documents, windows and sinks), and otherwise to torch's own: on CUDA in
+bf16/fp16 its varlen flash kernel, all three in one call per layer (flash_varlen.py, checked at first use), else
+the exact torch path (masks.masked_attention, the reference). `sdpa` with any of them is torch's own. A kernel
+named explicitly that lacks a feature the model uses is refused; `auto` falls back to torch's own and logs it once.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import UnsupportedError
+from . import flash_varlen
 from .masks import masked_attention
 
 log = logging.getLogger(__name__)
@@ -121,7 +123,8 @@ def _needed(cu_seqlens, window, sinks) -> set:
 
 @functools.lru_cache(maxsize=None)
 def _log_fallback(name: str, missing: tuple) -> None:
-    log.info("attention backend %s lacks %s: those layers run the exact torch path", name, ", ".join(missing))
+    log.info("attention backend %s lacks %s: those layers run torch's own (flash_varlen.py on CUDA, else masks.py)",
+             name, ", ".join(missing))
 
 
 # the flash kernels take half precision only; an fp32 run (exactness checks on GPU) must not pick them
@@ -168,5 +171,9 @@ def local_attention(backend: str, q_BShD, k_BShD, v_BShD, *, causal: bool = True
             raise UnsupportedError(f"attention backend {name!r} has no {', '.join(missing)} support, which this "
                                    "model's attention needs; set model.attn_backend=auto or model.attn_backend=sdpa")
         _log_fallback(name, missing)
+    if flash_varlen.usable(q_BShD):
+        scale = q_BShD.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+        return flash_varlen.varlen_attention(q_BShD, k_BShD, v_BShD, causal=causal, scale=scale,
+                                             cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, window=window, sinks=sinks)
     return masked_attention(q_BShD, k_BShD, v_BShD, causal=causal, softmax_scale=softmax_scale,
                             cu_seqlens=cu_seqlens, window=window, sinks=sinks)

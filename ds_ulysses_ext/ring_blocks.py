@@ -8,8 +8,9 @@ of one torch-kernel block (QUERY_BLOCK).
 Which keys a row sees comes from GLOBAL positions (BlockMask: causal, packed documents, HF's sliding window), since
 the zigzag order is not sequence order. Two kernels: the exact torch kernel (fp32 logits, bq query rows at a time,
 with a window only the keys each row block's window reaches), which is the reference and what CPU runs; and on
-CUDA in bf16/fp16 torch's flash kernel with its log-sum-exp for every block whose visibility an is_causal flag
-says (with packed documents, one call per document part), checked once against the torch kernel at first use.
+CUDA in bf16/fp16 a fused kernel with its log-sum-exp (cuDNN's, else torch's flash kernel: CUDA_KERNELS) for every
+block whose visibility an is_causal flag says (with packed documents, one call per document part), checked once
+against the torch kernel at first use.
 The backward of either takes the MERGED output and log-sum-exp of the whole row, so a block's gradients are its
 share of the exact ones.
 """
@@ -21,6 +22,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+from .kernel_check import isolated, relative_error
 
 log = logging.getLogger(__name__)
 
@@ -201,8 +204,8 @@ def _torch_block_backward(q, k, v, dout, lse, delta, scale: float, mask: BlockMa
 # make "query i sees key j <= i" exact). Those two are what a flash kernel's is_causal flag says, so the block
 # can run fused: forward returns (out, lse); backward takes the MERGED out and lse of the whole ring, which makes
 # its dq/dk/dv this block's share of the exact gradient (as every flash-based ring does). Other blocks (documents,
-# windows) run the masked torch kernel above, which stays the reference. torch's flash ops (aten) carry the
-# log-sum-exp, which the public SDPA call does not return: that is why they are called directly, here only.
+# windows) run the masked torch kernel above, which stays the reference. torch's cuDNN and flash ops (aten) carry
+# the log-sum-exp, which the public SDPA call does not return: that is why they are called directly, here only.
 
 FUSED_ON_CPU = False  # CPU runs the torch kernel (the reference); tests set this to check the fused path's logic
 
@@ -286,6 +289,32 @@ class _CudaFlash:
             lse.float().contiguous(), None, None, Lq, Lk, 0.0, is_causal, seed, offset, scale=scale)
 
 
+class _CudaCudnn:
+    # cuDNN's fused attention, what SDPA picks on Hopper for these shapes: on an H200 at 128k the ring's blocks
+    # through it cost what one full causal call does, where torch's flash kernel (FlashAttention-2) costs ~1.5x
+    # (docs/benchmarks.md, the ring's kernel side). Its log-sum-exp comes as [B h Lq 1]; the ring keeps [B h Lq].
+
+    @staticmethod
+    def forward(q, k, v, scale, is_causal):
+        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q.contiguous(), k.contiguous(), v.contiguous(), None, True, 0.0, is_causal, False, scale=scale)[:2]
+        return out, lse.reshape(q.shape[:3])
+
+    @staticmethod
+    def backward(dout, q, k, v, out, lse, scale, is_causal):
+        # no bias, no cumulative lengths (dense), and random-state tensors that dropout 0 never reads (on the
+        # GPU here, which cuDNN's op asks for); the merged lse back in the kernel's [B h Lq 1]
+        Lq, Lk = q.shape[2], k.shape[2]
+        seed, offset = (torch.zeros((), dtype=torch.int64, device=q.device) for _ in range(2))  # cuDNN: on device
+        return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.to(q.dtype).contiguous(),
+            lse.float().reshape(*q.shape[:3], 1).contiguous(), seed, offset, None, None, None, Lq, Lk, 0.0,
+            is_causal, scale=scale)
+
+
+CUDA_KERNELS = (_CudaCudnn, _CudaFlash)  # in order of preference: the first that passes _checked on the device
+
+
 def _fused_kernel(q):
     """The fused block kernel for q's device and dtype, or None (the masked torch kernel)."""
     if not q.is_cuda:
@@ -293,7 +322,7 @@ def _fused_kernel(q):
     D = q.shape[-1]
     if q.dtype not in (torch.bfloat16, torch.float16) or D % 8 or D > 256:
         return None
-    return _CudaFlash if _checked(_CudaFlash, q.device, q.dtype, D) else None
+    return next((kernel for kernel in CUDA_KERNELS if _checked(kernel, q.device, q.dtype, D)), None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -301,6 +330,11 @@ def _checked(kernel, device, dtype, D: int) -> bool:
     """Once per (kernel, device, dtype, head dim): the fused kernel against the torch kernel on a small random
     block, causal and not, forward and backward. A kernel that cannot be called here is logged and the ring
     keeps the torch kernel; one that runs but disagrees is an error, never used."""
+    with isolated():  # first use is inside a layer's forward, maybe checkpointed (kernel_check.py)
+        return _check(kernel, device, dtype, D)
+
+
+def _check(kernel, device, dtype, D: int) -> bool:
     g = torch.Generator(device=device).manual_seed(0)
     q, k, v, dout = (torch.randn(1, 2, 192, D, device=device, dtype=dtype, generator=g) for _ in range(4))
     pos = torch.arange(192, device=device)
@@ -323,9 +357,7 @@ def _checked(kernel, device, dtype, D: int) -> bool:
         ref_grads = _torch_block_backward(q, k, v, dout, ref_lse, delta, D ** -0.5, mask)
         for name, got, ref in [("out", out, ref_out), ("lse", lse, ref_lse)] + list(zip(("dq", "dk", "dv"), grads,
                                                                                           ref_grads)):
-            # bf16 inputs: the kernels differ by rounding only (~1e-3); the lse, an exponent, by absolute error
-            err = ((got.float() - ref).abs().max() if name == "lse"
-                   else (got.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+            err = relative_error(name, got, ref)  # bf16 inputs: the kernels differ by rounding only (~1e-3)
             if not err < 2e-2:
                 raise RuntimeError(f"ring attention: the fused {kernel.__name__} kernel disagrees with the exact torch "
                                    f"block kernel on {device} in {dtype} ({name}: error {err:.2e}, causal="

@@ -22,9 +22,14 @@ Parts:
                through SDPA (step 0 causal over the rank's share, later steps a half block with no mask), forward +
                backward each, plus the fp32 merge arithmetic on stand-in log-sum-exps: what the kernel side would cost
                with a flash kernel per block (the issue's 10% target is about this).
-  window       A sliding-window layer through our attention path at cp=1 (backends.local_attention -> masks.py's
-               torch path: SDPA on query blocks whose key span starts at the window's reach; with --sink-windows also
-               GPT-OSS's sinks, the explicit fp32 softmax) against full causal SDPA.
+  window       A sliding-window layer through our attention path at cp=1 (backends.local_attention: on CUDA in bf16
+               flash_varlen.py, torch's varlen flash kernel with the window as its reach, sinks on its log-sum-exp;
+               elsewhere masks.py's torch path) against full causal SDPA, and against masks.py's torch path itself
+               (SDPA on query blocks whose key span starts at the window's reach; with --sink-windows also GPT-OSS's
+               sinks as one extra key).
+  documents    (not in the default parts) one row of --seq tokens packed with chat-like documents (lognormal
+               lengths, median 600, 16..16384): the shipped path (as for window) against masks.py's per-document
+               torch path and one full causal call over the row.
   ring_window  (not in the default parts) ring.py's torch kernel with a window at ring R, rank 0 (steps the window
                hides entirely are skipped) against ring.py without a window.
 --check (CPU or GPU): the simulation of every rank reassembles exact attention: outputs and dq/dk/dv against full
@@ -45,7 +50,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import ds_ulysses_ext.ring as ring_mod  # noqa: E402
 import ds_ulysses_ext.ring_blocks as blocks_mod  # noqa: E402
+from ds_ulysses_ext import flash_varlen  # noqa: E402
 from ds_ulysses_ext.backends import local_attention, sdpa_attention  # noqa: E402
+from ds_ulysses_ext.masks import cu_seqlens_of as masks_cu_seqlens, masked_attention  # noqa: E402
 from ds_ulysses_ext.ring import share_positions  # noqa: E402
 from ds_ulysses_ext.ring_blocks import BlockMask  # noqa: E402
 
@@ -173,7 +180,6 @@ def check_ring(q, k, v, dout, R, window, rtol=1e-5):
     if window is None:
         ref = F.scaled_dot_product_attention(qf, kf, vf, is_causal=True, enable_gqa=True)
     else:
-        from ds_ulysses_ext.masks import masked_attention
         ref = masked_attention(*(t.transpose(1, 2) for t in (qf, kf, vf)), causal=True, window=window).transpose(1, 2)
     ref.backward(dout.double())
     out, dq = torch.zeros_like(ref), torch.zeros_like(qf)
@@ -282,10 +288,9 @@ def part_ring(args, q, k, v, dout, anchor, base):
         emit(args, dict(base, part="ring", ring=R, anchor="sdpa full causal, one call",
                         anchor_ms=ms(med["anchor"]),
                         anchor_tflops=ratio(causal_flops(S, args.hq, args.head_dim) / 1e12, med["anchor"]),
-                        # "ring_torch" is ring.py as shipped: its block kernel is torch's flash kernel where the
-                        # fused path takes the blocks (CUDA bf16/fp16, checked at first use), else the torch kernel
-                        ring_block_kernel=("fused flash" if blocks_mod._fused_kernel(qr) is not None
-                                           else "exact torch"),
+                        # "ring_torch" is ring.py as shipped: its block kernel is the fused one (CUDA bf16/fp16,
+                        # ring_blocks.CUDA_KERNELS, checked at first use) where it takes the blocks, else the torch one
+                        ring_block_kernel=getattr(blocks_mod._fused_kernel(qr), "__name__", "exact torch"),
                         ring_torch_ranks_run=len(ranks), ring_torch_ms_measured=ms(med["ring_torch"]),
                         ring_torch_ms_all_ranks=ms(torch_all), ring_torch_overhead_pct=pct(torch_all, med["anchor"]),
                         # the torch kernel computes step 0's share block whole (masked) and each later half block:
@@ -310,22 +315,27 @@ def part_window(args, leaves, anchor, base):
     configs = [(w, False) for w in args.windows] + [(w, True) for w in args.sink_windows]
     variants = {"anchor": anchor}
     for w, with_sinks in configs:
-        def run(w=w, with_sinks=with_sinks):
-            for t in (qs, ks, vs, sinks):
-                t.grad = None
-            local_attention(args.backend, qs, ks, vs, causal=True, window=w,
-                            sinks=sinks if with_sinks else None).backward(ds)
-        variants[f"w{w}{'+sinks' if with_sinks else ''}"] = run
+        for road, fn in (("", local_attention), ("_torch", None)):
+            def run(w=w, with_sinks=with_sinks, fn=fn):
+                for t in (qs, ks, vs, sinks):
+                    t.grad = None
+                kw = dict(causal=True, window=w, sinks=sinks if with_sinks else None)
+                out = fn(args.backend, qs, ks, vs, **kw) if fn else masked_attention(qs, ks, vs, **kw)
+                out.backward(ds)
+            variants[f"w{w}{'+sinks' if with_sinks else ''}{road}"] = run
     times, warm, errors = interleaved(variants, args.reps, qs.device, args.budget_s)
     med = medians(times, warm, errors)
     bq = min(args.mask_block, S)
     for w, with_sinks in configs:
         name = f"w{w}{'+sinks' if with_sinks else ''}"
         emit(args, dict(base, part="window", window=w, sinks=with_sinks, backend=args.backend,
-                        path="backends.local_attention -> masks.masked_attention (torch, query blocks of "
-                             f"{args.mask_block})", anchor="sdpa full causal, one call",
+                        path=shipped_path(args, qs), torch_path=f"masks.masked_attention (query blocks of "
+                                                                f"{args.mask_block})",
+                        anchor="sdpa full causal, one call",
                         anchor_ms=ms(med["anchor"]), window_ms=ms(med[name]),
                         speedup_vs_full=ratio(med["anchor"], med[name]),
+                        torch_path_ms=ms(med[name + "_torch"]),
+                        speedup_vs_torch_path=ratio(med[name + "_torch"], med[name]),
                         # the kernel SDPA takes for one full query block of the torch path (bool mask, key span
                         # bq + w - 1); with sinks, the same block as masks.py's sink operands make it (head dim
                         # padded to a multiple of 8, one more key)
@@ -335,6 +345,58 @@ def part_window(args, leaves, anchor, base):
                         reps=len(times.get(name, [])), warmup_ms=ms(warm.get(name)), error=errors.get(name),
                         times_ms=[ms(x) for x in times.get(name, [])],
                         anchor_times_ms=[ms(x) for x in times.get("anchor", [])]))
+
+
+def shipped_path(args, q_BShD) -> str:
+    # what backends.local_attention runs for a window, sinks or documents under args.backend
+    if args.backend in ("sdpa", "auto") and flash_varlen.usable(q_BShD):
+        return "backends.local_attention -> flash_varlen (torch's varlen flash kernel, one call)"
+    return f"backends.local_attention ({args.backend})"
+
+
+def chat_lengths(total, seed=0, median=600, sigma=1.0, lo=16, hi=16384):
+    """Document lengths drawn like a chat set (lognormal, median 600, clipped), filling `total` tokens exactly."""
+    g = torch.Generator().manual_seed(seed)
+    lengths, left = [], total
+    while left > 0:
+        n = int(torch.exp(torch.randn((), generator=g) * sigma + math.log(median)).clamp(lo, hi))
+        lengths.append(min(n, left))
+        left -= lengths[-1]
+    return lengths
+
+
+def part_documents(args, leaves, anchor, base):
+    """One row of S tokens packed with chat-like documents: the shipped path against masks.py's torch path and one
+    full causal call over the row (what an unpacked row of S costs)."""
+    qs, ks, vs, ds = leaves
+    S = qs.shape[1]
+    lengths = chat_lengths(S)
+    pos = torch.cat([torch.arange(n, device=qs.device) for n in lengths])[None]
+    cu = masks_cu_seqlens(pos)
+    for t in (qs, ks, vs):
+        t.grad = None
+
+    def run(fn):
+        def go():
+            for t in (qs, ks, vs):
+                t.grad = None
+            if fn is None:
+                out = masked_attention(qs, ks, vs, causal=True, cu_seqlens=cu)
+            else:
+                out = fn(args.backend, qs, ks, vs, causal=True, cu_seqlens=cu, max_seqlen=max(lengths))
+            out.backward(ds)
+        return go
+
+    times, warm, errors = interleaved({"anchor": anchor, "shipped": run(local_attention), "torch": run(None)},
+                                      args.reps, qs.device, args.budget_s)
+    med = medians(times, warm, errors)
+    visible = sum(n * (n + 1) / 2 for n in lengths) / (S * (S + 1) / 2)
+    emit(args, dict(base, part="documents", documents=len(lengths), median_len=sorted(lengths)[len(lengths) // 2],
+                    max_len=max(lengths), path=shipped_path(args, qs), anchor="sdpa full causal, one call",
+                    anchor_ms=ms(med["anchor"]), shipped_ms=ms(med["shipped"]), torch_path_ms=ms(med["torch"]),
+                    speedup_vs_torch_path=ratio(med["torch"], med["shipped"]),
+                    speedup_vs_full=ratio(med["anchor"], med["shipped"]), visible_pairs_vs_causal=visible,
+                    errors=errors, reps={n: len(t) for n, t in times.items()}))
 
 
 def part_ring_window(args, q, k, v, dout, base):
@@ -375,7 +437,7 @@ def emit(args, row):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--parts", default="ring,window", help="comma list of ring, window, ring_window")
+    ap.add_argument("--parts", default="ring,window", help="comma list of ring, window, ring_window, documents")
     ap.add_argument("--seq", type=int, default=131072)
     ap.add_argument("--hq", type=int, default=32)
     ap.add_argument("--hkv", type=int, default=8)
@@ -450,8 +512,10 @@ def main():
             part_window(args, (qs, ks, vs, ds), anchor, base)
         elif part == "ring_window":
             part_ring_window(args, q, k, v, dout, base)
+        elif part == "documents":
+            part_documents(args, (qs, ks, vs, ds), anchor, base)
         else:
-            raise SystemExit(f"unknown part {part!r}: choose from ring, window, ring_window")
+            raise SystemExit(f"unknown part {part!r}: choose from ring, window, ring_window, documents")
         if device.type == "cuda":
             print(f"peak GPU memory so far {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB", flush=True)
     if failed:

@@ -2,8 +2,8 @@
 the device with `bash scripts/bench_gpu.sh gpu_tests`). Tolerance: 2e-2 relative (bf16 inputs; the kernels agree
 to ~1e-3 in practice). Each test also checks that the fast path really ran.
 
-- ring: the fused block kernel (torch's flash attention with its log-sum-exp) inside a whole simulated ring of
-  2 and 4 ranks on one GPU (scripts/bench_attn_features.py's simulation), against fp64 full attention;
+- ring: each fused block kernel (cuDNN's and torch's flash attention, with their log-sum-exp) inside a whole
+  simulated ring of 2 and 4 ranks on one GPU (scripts/bench_attn_features.py's simulation), against fp64 full attention;
 - packing: long documents' own calls and the short ones' padded, batched causal calls (masks.py);
 - sinks: the SDPA sink path (masks.py) against the dense definition;
 - flash-attn's and FA4's documents / window / sinks arguments (backends.py), where installed.
@@ -26,15 +26,24 @@ def _rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-def _count_fused_calls(blocks_mod, D, monkeypatch) -> list:
-    """The once-per-process check of the fused kernel against the torch kernel first (it must pass); then a list
-    that grows by one per fused forward call of the ring."""
-    assert blocks_mod._checked(blocks_mod._CudaFlash, torch.device("cuda", torch.cuda.current_device()), torch.bfloat16,
-                             D), "the fused kernel was left out: see the log line that says why"
+def _count_fused_calls(blocks_mod, D, monkeypatch, name="_CudaCudnn") -> list:
+    """The ring runs only the fused kernel `name` (ring_blocks.CUDA_KERNELS narrowed to it), whose once-per-process
+    check against the torch kernel must pass; returns a list that grows by one per fused forward call."""
+    kernel = getattr(blocks_mod, name)
+    assert blocks_mod._checked(kernel, torch.device("cuda", torch.cuda.current_device()), torch.bfloat16, D), \
+        f"the fused {name} kernel was left out: see the log line that says why"
     calls = []
-    real = blocks_mod._CudaFlash.forward
-    monkeypatch.setattr(blocks_mod._CudaFlash, "forward", staticmethod(lambda *a: calls.append(1) or real(*a)))
+    real = kernel.forward
+    monkeypatch.setattr(kernel, "forward", staticmethod(lambda *a: calls.append(1) or real(*a)))
+    monkeypatch.setattr(blocks_mod, "CUDA_KERNELS", (kernel,))
     return calls
+
+
+def test_the_ring_prefers_cudnn_blocks_on_hopper():
+    # cuDNN's kernel is the one that meets the ring's overhead target (docs/benchmarks.md): it must be the pick
+    import ds_ulysses_ext.ring_blocks as blocks_mod
+    q = torch.zeros(1, 2, 8, 64, device="cuda", dtype=torch.bfloat16)
+    assert blocks_mod._fused_kernel(q) is blocks_mod._CudaCudnn
 
 
 def _ring_inputs(S, D, seed):
@@ -45,12 +54,13 @@ def _ring_inputs(S, D, seed):
     return q, k, v, dout
 
 
+@pytest.mark.parametrize("kernel", ["_CudaCudnn", "_CudaFlash"])
 @pytest.mark.parametrize("R", [2, 4])
-def test_fused_ring_blocks_reassemble_exact_attention(R, monkeypatch):
+def test_fused_ring_blocks_reassemble_exact_attention(R, kernel, monkeypatch):
     import ds_ulysses_ext.ring_blocks as blocks_mod
     from bench_attn_features import check_ring
     S, D = 4096, 64
-    calls = _count_fused_calls(blocks_mod, D, monkeypatch)
+    calls = _count_fused_calls(blocks_mod, D, monkeypatch, kernel)
     q, k, v, dout = _ring_inputs(S, D, seed=0)
     rels = check_ring(q, k, v, dout, R, None, rtol=TOL)
     assert len(calls) == R * R, (calls, rels)  # every rank's every step ran fused
@@ -101,7 +111,8 @@ def test_sinks_through_sdpa_match_the_definition():
     assert _rel(out, ref) < TOL
 
 
-def test_fused_ring_with_packed_documents_reassembles_exact_attention(monkeypatch):
+@pytest.mark.parametrize("kernel", ["_CudaCudnn", "_CudaFlash"])
+def test_fused_ring_with_packed_documents_reassembles_exact_attention(kernel, monkeypatch):
     # the whole simulated ring of 2 ranks with packed documents: one fused call per document part of each block
     import ds_ulysses_ext.ring as ring_mod
     import ds_ulysses_ext.ring_blocks as blocks_mod
@@ -109,7 +120,7 @@ def test_fused_ring_with_packed_documents_reassembles_exact_attention(monkeypatc
     from ds_ulysses_ext.masks import cu_seqlens_of, document_ids, masked_attention
     R, S, D = 2, 4096, 64
     lengths = [1000, 37, 1500, 600, 959]  # documents that cross the zigzag chunks
-    calls = _count_fused_calls(blocks_mod, D, monkeypatch)
+    calls = _count_fused_calls(blocks_mod, D, monkeypatch, kernel)
     q, k, v, dout = _ring_inputs(S, D, seed=3)
     cu = cu_seqlens_of(torch.cat([torch.arange(n) for n in lengths])[None].cuda())
     qf, kf, vf = (t.detach().double().requires_grad_() for t in (q, k, v))
@@ -172,3 +183,38 @@ def test_optional_kernels_take_documents_windows_and_sinks(backend, feature):
         grads.append([out.detach(), qi.grad, ki.grad, vi.grad])
     for name, got, want in zip(("out", "dq", "dk", "dv"), *grads):
         assert _rel(got, want) < TOL, (backend, feature, name, _rel(got, want))
+
+
+@pytest.mark.parametrize("feature", ["documents", "window", "sinks", "documents+window+sinks"])
+def test_torch_varlen_flash_takes_documents_windows_and_sinks(feature, monkeypatch):
+    """The `sdpa` backend's one-call road (flash_varlen.py: torch's varlen flash kernel, the sinks on its
+    log-sum-exp), forward and backward, against masks.py's exact torch path in fp64; and it really ran."""
+    from ds_ulysses_ext import backends, flash_varlen, masks
+    lengths = [1500, 37, 600, 2000, 959]
+    S, h, hkv, D = sum(lengths), 8, 2, 64
+    g = torch.Generator(device="cuda").manual_seed(6)
+    q = torch.randn(1, S, h, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    assert flash_varlen.usable(q), "the varlen flash kernel was left out: see the log line that says why"
+    k, v, dout = (torch.randn(1, S, n, D, device="cuda", dtype=torch.bfloat16, generator=g) for n in (hkv, hkv, h))
+    sinks = torch.randn(h, device="cuda", generator=g).to(torch.bfloat16) * 2
+    kw = {}
+    if "documents" in feature:
+        kw["cu_seqlens"] = masks.cu_seqlens_of(torch.cat([torch.arange(n) for n in lengths])[None].cuda())
+    if "window" in feature or feature == "sinks":
+        kw["window"] = 128
+    calls = []
+    real = flash_varlen.varlen_attention
+    monkeypatch.setattr(flash_varlen, "varlen_attention", lambda *a, **k_: calls.append(1) or real(*a, **k_))
+    grads = []
+    for dtype in (torch.bfloat16, torch.float64):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v, sinks)]
+        extra = dict(kw, sinks=leaves[3] if "sinks" in feature else None)
+        if dtype == torch.bfloat16:
+            out = backends.local_attention("sdpa", *leaves[:3], causal=True, **extra)
+        else:
+            out = masks.masked_attention(*leaves[:3], causal=True, **extra)
+        out.backward(dout.to(dtype))
+        grads.append([out.detach()] + [t.grad for t in leaves[:3]] + ([leaves[3].grad] if "sinks" in feature else []))
+    assert calls == [1]
+    for name, got, want in zip(("out", "dq", "dk", "dv", "dsinks"), *grads):
+        assert _rel(got, want) < TOL, (feature, name, _rel(got, want))

@@ -207,7 +207,7 @@ def test_grouped_mm_path_in_bf16_matches_the_loop(layout, recompute):
         calls, real, ok, layouts = [], torch._grouped_mm, experts_module._grouped_mm_ok, experts_module.GROUPED_LAYOUTS
         torch._grouped_mm = lambda *a, **k: calls.append(1) or real(*a, **k)
         experts_module._grouped_mm_ok = ok if grouped else (lambda *a: False)
-        experts_module.GROUPED_LAYOUTS = experts_module.LAYOUTS  # the check of a layout not yet enabled by default
+        experts_module.GROUPED_LAYOUTS = experts_module.LAYOUTS  # every layout, whatever the default lists
         try:
             y = m(xi, counts)
             (y.float() * dy).sum().backward()
