@@ -35,10 +35,11 @@
 #                plus offloaded inputs (host), so this shows whether 1M fits; time scales ~linearly with layers
 #   attn_features  attention features at 128k, bf16 Hq32/Hkv8 D64, fwd+bwd, against one full causal SDPA (cuDNN) call
 #                in the same process (scripts/bench_attn_features.py; an exactness check of the simulation first):
-#                ring.py's per-block torch kernels + fp32 merge at ring 2 and 4 simulated on one GPU (rank 0's work
-#                x ring size) and the same blocks through SDPA (a projection), then sliding windows 4096 and 128
-#                (and 128 + sinks) through masks.py's torch path; $ATTN_PARTS replaces the parts (ring,window;
-#                ring_window adds ring.py with a window); $OUT/attn_features.jsonl. About 1 min
+#                ring.py's per-block kernels (ring_blocks.py, as shipped) + fp32 merge at ring 2 and 4 simulated on
+#                one GPU (rank 0's work x ring size) and the same blocks through SDPA (a projection), then sliding
+#                windows 4096 and 128 (and 128 + sinks) through backends.local_attention (flash_varlen.py on the GPU)
+#                and masks.py's torch path; $ATTN_PARTS replaces the parts (ring,window; ring_window adds ring.py
+#                with a window, documents a 128k row of packed chat-like documents); $OUT/attn_features.jsonl. ~1 min
 #   pack_sft     packed SFT, Llama-3.2-1B shape: chat-like lengths (lognormal, median 600, clipped to 16..16384)
 #                packed into 32k and 128k rows vs one sample per padded 16k row, real tokens/s through
 #                scripts/train.py (scripts/bench_packing.py; $PACK_ARGS: more arguments); $OUT/pack_sft.jsonl and
