@@ -31,7 +31,8 @@ the window of any of its keys) is skipped, in forward and backward: an empty blo
 or to the dK|dV accumulator, which still travels on. A block that only document boundaries hide is still computed,
 masked. A row may see no key of some block: its partial lse is -inf and it merges as an empty share.
 GPT-OSS's sinks rescale the merged output by sigmoid(lse - sink) after the ring, in autograd: the ring's
-backward takes the gradient that reaches the log-sum-exp as well.
+backward takes the gradient that reaches the log-sum-exp as well (the fused kernels through an output lowered by
+it, _lowered, since they derive the softmax row term from the output).
 """
 from __future__ import annotations
 
@@ -148,8 +149,10 @@ def _ring_backward(q, k, v, out, lse, dout, dlse, scale, mask: BlockMask, ring: 
     # [B h L]: softmax backward's row term of the merged output. A gradient reaching the log-sum-exp itself (the
     # sinks use it) adds dlse * p to each logit's gradient, which is the same as lowering that term by dlse
     delta = (dout.float() * out.float()).sum(-1)
+    fused_out = out  # what the fused kernels get: they derive that row term themselves, as rowsum(dout * out)
     if dlse is not None:
         delta = delta - dlse.float()
+        fused_out = _lowered(out, dout, dlse)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kv = torch.cat([k, v], dim=-1).contiguous()
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # the accumulator of the share we hold
@@ -161,11 +164,9 @@ def _ring_backward(q, k, v, out, lse, dout, dlse, scale, mask: BlockMask, ring: 
         step_mask = _block_mask(mask, ring, src, rows, keys)
         seen = _sees_any(step_mask)  # a block the window hides has zero gradients: skip it, pass dK|dV on as is
         if seen:
-            # the fused kernel derives delta from the merged output itself, so it cannot take the sinks' dlse term
-            fused_out = out[:, :, rows] if dlse is None else None
             dq_b, dk_b, dv_b = blocks.block_backward(q[:, :, rows], kv[:, :, keys, :D], kv[:, :, keys, D:],
                                               dout[:, :, rows], lse[:, :, rows], delta[:, :, rows], scale, step_mask,
-                                              out=fused_out)
+                                              out=fused_out[:, :, rows])
             dq[:, :, rows] += dq_b
         if pending_dkv is not None:  # the accumulator of this step's share, from the previous rank
             dkv = _Ring.wait(pending_dkv)
@@ -181,6 +182,20 @@ def _ring_backward(q, k, v, out, lse, dout, dlse, scale, mask: BlockMask, ring: 
     return dq, dkv[..., :D], dkv[..., D:]
 
 
+def _lowered(out, dout, dlse):
+    """[B h L D] an output whose rowsum(dout * it) is rowsum(dout * out) - dlse: moved along dout by dlse / |dout|^2.
+
+    A fused kernel's backward takes the output, not the row term, so this is how the sinks' gradient on the
+    log-sum-exp reaches it; the kernel uses the output for nothing else. The move is bounded: with the sinks,
+    dout = g * w and dlse = (g . out) w (1 - w) for the upstream g, so it is (g . out)(1 - w) g / |g|^2, at most
+    |out| long. Rows whose |dout|^2 underflows (w ~ 0: the sink takes everything) keep their output: their dlse is
+    as small."""
+    d = dout.float()
+    norm2 = (d * d).sum(-1)
+    step = torch.where(norm2 > torch.finfo(torch.float32).tiny, dlse.float() / norm2, torch.zeros_like(norm2))
+    return (out.float() - step[..., None] * d).to(out.dtype)
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_BhLD, k_BhLD, v_BhLD, scale, mask, group):
@@ -189,7 +204,7 @@ class _RingAttention(torch.autograd.Function):
         out = out.to(q_BhLD.dtype)
         ctx.save_for_backward(q_BhLD, k_BhLD, v_BhLD, out, lse)
         ctx.scale, ctx.mask, ctx.ring = scale, mask, ring
-        ctx.set_materialize_grads(False)  # an unused lse (no sinks) then gets None, not zeros: the fused backward
+        ctx.set_materialize_grads(False)  # an unused lse (no sinks) then gets None, not zeros: no output to lower
         return out, lse
 
     @staticmethod

@@ -39,7 +39,8 @@
 #                one GPU (rank 0's work x ring size) and the same blocks through SDPA (a projection), then sliding
 #                windows 4096 and 128 (and 128 + sinks) through backends.local_attention (flash_varlen.py on the GPU)
 #                and masks.py's torch path; $ATTN_PARTS replaces the parts (ring,window; ring_window adds ring.py
-#                with a window, documents a 128k row of packed chat-like documents); $OUT/attn_features.jsonl. ~1 min
+#                with a window, documents a 128k row of packed chat-like documents); $ATTN_ARGS: more arguments
+#                (e.g. --backend fa4); $OUT/attn_features.jsonl. About 1 min
 #   pack_sft     packed SFT, Llama-3.2-1B shape: chat-like lengths (lognormal, median 600, clipped to 16..16384)
 #                packed into 32k and 128k rows vs one sample per padded 16k row, real tokens/s through
 #                scripts/train.py (scripts/bench_packing.py; $PACK_ARGS: more arguments); $OUT/pack_sft.jsonl and
@@ -107,7 +108,7 @@ for part in ${*:-attn train_short train_long}; do
     train_1m) python3 scripts/bench_train.py --points 1048576:long_context --steps 1 --timeout 580 ;;
     train_1m_4l) python3 scripts/bench_train.py --points 1048576:long_context --steps 1 --timeout 580 \
                    model.arch.num_hidden_layers=4 ;;
-    attn_features) python3 scripts/bench_attn_features.py --parts "${ATTN_PARTS:-ring,window}" --check --budget-s 15 \
+    attn_features) python3 scripts/bench_attn_features.py --parts "${ATTN_PARTS:-ring,window}" --check --budget-s 15 ${ATTN_ARGS:-} \
                      --out "$OUT/attn_features.jsonl" ;;
     pack_sft) python3 scripts/bench_packing.py ${PACK_ARGS:-} ;;
     passkey) for st in ${PK_STAGES:-256:1.5 1k:2.3 32k:4}; do

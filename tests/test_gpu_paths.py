@@ -218,3 +218,48 @@ def test_torch_varlen_flash_takes_documents_windows_and_sinks(feature, monkeypat
     assert calls == [1]
     for name, got, want in zip(("out", "dq", "dk", "dv", "dsinks"), *grads):
         assert _rel(got, want) < TOL, (feature, name, _rel(got, want))
+
+
+@pytest.mark.parametrize("kernel", ["_CudaCudnn", "_CudaFlash"])
+def test_fused_ring_with_sinks_reassembles_exact_attention(kernel, monkeypatch):
+    # GPT-OSS's full layers under a ring: every block fused, forward and backward; the backward's fused kernel gets
+    # an output lowered by the sinks' log-sum-exp gradient (ring._lowered). A simulated ring of 2 ranks on one GPU
+    import ds_ulysses_ext.ring as ring_mod
+    import ds_ulysses_ext.ring_blocks as blocks_mod
+    from bench_attn_features import OneGpuRing, kv_shares
+    from ds_ulysses_ext.masks import masked_attention
+    R, S, D = 2, 4096, 64
+    calls = _count_fused_calls(blocks_mod, D, monkeypatch, kernel)
+    backward_calls, real_backward = [], getattr(blocks_mod, kernel).backward
+    monkeypatch.setattr(getattr(blocks_mod, kernel), "backward",
+                        staticmethod(lambda *a: backward_calls.append(1) or real_backward(*a)))
+    q, k, v, dout = _ring_inputs(S, D, seed=4)
+    sinks = torch.randn(q.shape[1], device="cuda", generator=torch.Generator(device="cuda").manual_seed(4)) * 2
+    qf, kf, vf, sf = (t.detach().double().requires_grad_() for t in (q, k, v, sinks))
+    ref = masked_attention(*(t.transpose(1, 2) for t in (qf, kf, vf)), causal=True, sinks=sf).transpose(1, 2)
+    ref.backward(dout.double())
+    all_pos = torch.arange(S, device="cuda")
+    shares = kv_shares(k, v, R)
+    out, dq = torch.zeros_like(ref), torch.zeros_like(qf)
+    dkv = torch.zeros(kf.shape[:3] + (2 * D,), dtype=torch.float64, device="cuda")
+    dsinks = torch.zeros_like(sf)
+    for r in range(R):
+        idx = ring_mod.share_positions(all_pos, R, r)
+        mask = blocks_mod.BlockMask(True, idx, all_pos)
+        qr, kr, vr, dr = (t[:, :, idx].contiguous() for t in (q, k, v, dout))
+        o, lse = ring_mod._ring_forward(qr, kr, vr, D ** -0.5, mask, OneGpuRing(r, R, shares, False))
+        o_leaf, lse_leaf, s_leaf = (t.detach().requires_grad_() for t in (o.to(q.dtype), lse, sinks))
+        keep = torch.sigmoid(lse_leaf - s_leaf.float()[None, :, None])  # as ring_attention applies them
+        final = (o_leaf.float() * keep[..., None]).to(q.dtype)
+        final.backward(dr)
+        bwd = OneGpuRing(r, R, shares, True, keep=True)
+        g_q, _, _ = ring_mod._ring_backward(qr, kr, vr, o_leaf.detach(), lse, o_leaf.grad, lse_leaf.grad, D ** -0.5,
+                                            mask, bwd)
+        out[:, :, idx], dq[:, :, idx] = final.detach().double(), g_q.double()
+        dsinks += s_leaf.grad.double()
+        for src, acc in bwd.sent:
+            dkv[:, :, ring_mod.share_positions(all_pos, R, src)] += acc.double()
+    for name, got, want in (("out", out, ref.detach()), ("dq", dq, qf.grad), ("dk", dkv[..., :D], kf.grad),
+                            ("dv", dkv[..., D:], vf.grad), ("dsinks", dsinks, sf.grad)):
+        assert _rel(got, want) < TOL, (name, _rel(got, want))
+    assert len(calls) == len(backward_calls) == R * R  # every block of every rank ran fused, both ways

@@ -436,8 +436,9 @@ def test_ring_skips_the_blocks_a_window_hides(window, expected):
 
 
 def _check_fused_sinks(rank, world, ring):
-    # sinks without documents or a window: the forward's blocks run fused; the backward must not (the fused kernel
-    # derives the softmax row term from the output alone and would drop the sinks' log-sum-exp gradient)
+    # sinks without documents or a window (GPT-OSS's full layers): every block runs fused, forward and backward;
+    # the fused kernel derives the softmax row term from the output it is handed, so the backward hands it one
+    # lowered by the sinks' log-sum-exp gradient (ring._lowered), or that gradient would be dropped
     import torch.distributed as dist
     calls = _force_fused_on_cpu()
     topo = init_topology(world, ring_size=ring)
@@ -454,7 +455,7 @@ def _check_fused_sinks(rank, world, ring):
         assert _rel(mine.grad, full[:, idx]) < RTOL, (name, _rel(mine.grad, full[:, idx]))
     dist.all_reduce(my_sinks.grad)
     assert _rel(my_sinks.grad, ref[4]) < RTOL
-    assert calls == {"forward": ring, "backward": 0}, calls
+    assert calls == {"forward": ring, "backward": ring}, calls
 
 
 @pytest.mark.parametrize("world,ring", [(2, 2), (4, 2)])
