@@ -193,7 +193,12 @@ def main():
             emit(dict(variant="ratio", packed=name, anchor="padded", packed_real_tokens_per_s=res["real_tokens_per_s"],
                       padded_real_tokens_per_s=anchor, packed_over_padded=res["real_tokens_per_s"] / anchor),
                  out_root)
-    flash = importlib.util.find_spec("flash_attn") is not None
+    # flash-attn 2's varlen entry point, not just the package: FA4 installs flash_attn/cute, which makes
+    # `flash_attn` findable without flash-attn 2 (seen on the H200 with FA4 only)
+    try:
+        flash = hasattr(importlib.import_module("flash_attn"), "flash_attn_varlen_func")
+    except Exception:  # not installed, or a broken build: no flash-attn 2 either way
+        flash = False
     emit(dict(variant="alst_packed", status="not run",
               reason=("flash_attn imports here, but this script has no ALST packed-sequence anchor yet" if flash else
                       "flash-attn is not installed on this machine; ALST packs sequences only through flash-attn "
