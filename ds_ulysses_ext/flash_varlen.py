@@ -41,24 +41,31 @@ def _reach(window: Optional[int], causal: bool):
 
 
 class _AtenFlash:
-    """The kernel's two calls, [T h D] q, [T hkv D] k|v, cu [N+1] int32; lse comes as [h T] (the varlen layout).
-    left / right: how far before / after its own position a query sees (-1: unbounded; causal sets right 0)."""
+    """The kernel's two calls: [Tq h D] q, [Tk hkv D] k|v, cu_q / cu_k [N+1] int32 (segment n: queries
+    cu_q[n]:cu_q[n+1] against keys cu_k[n]:cu_k[n+1]), max_q / max_k their longest; lse comes as [h Tq] (the varlen
+    layout). left / right: how far before / after its aligned position a query sees (-1: unbounded); a segment
+    with fewer queries than keys aligns its queries with its LAST keys (flash's bottom-right causal)."""
 
     @staticmethod
-    def forward(q, k, v, cu, max_len, scale, causal, left, right):
+    def forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, left, right):
         out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
-            q, k, v, cu, cu, max_len, max_len, 0.0, causal, False, scale=scale,
+            q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale,
             window_size_left=left, window_size_right=right)
         return out, lse, (rng, unused)
 
     @staticmethod
-    def backward(dout, q, k, v, out, lse, cu, max_len, scale, causal, left, right, state):
+    def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal, left, right, state=None):
+        # state: the forward's random-state tensors; dropout 0 never reads them, so a backward that did not run
+        # this forward (the ring's, from the merged output) passes None and gets placeholders on the device
+        if state is None:
+            state = (torch.zeros(2, dtype=torch.int64, device=q.device),
+                     torch.zeros((), dtype=torch.int64, device=q.device))
         return torch.ops.aten._flash_attention_backward(
-            dout, q, k, v, out, lse, cu, cu, max_len, max_len, 0.0, causal, *state, scale=scale,
+            dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, causal, *state, scale=scale,
             window_size_left=left, window_size_right=right)
 
 
-KERNEL = _AtenFlash  # tests put a CPU stand-in with the same contract here, to check the sink algebra in CI
+KERNEL = _AtenFlash  # tests put a CPU stand-in with the same contract here, to check the algebra in CI
 
 
 def _keep(lse_hT, sinks_h, dtype):
@@ -73,7 +80,7 @@ class _FlashVarlen(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, cu, max_len: int, scale: float, causal: bool, window: Optional[int]):
         kernel, reach = KERNEL, _reach(window, causal)
-        out, lse, state = kernel.forward(q, k, v, cu, max_len, scale, causal, *reach)
+        out, lse, state = kernel.forward(q, k, v, cu, cu, max_len, max_len, scale, causal, *reach)
         final = out
         if sinks is not None:  # lse [h T] -> w [T h 1]
             w = _keep(lse, sinks, out.dtype)
@@ -95,8 +102,8 @@ class _FlashVarlen(torch.autograd.Function):
             a = (dfinal.to(w.dtype) * out.to(w.dtype)).sum(-1, keepdim=True)
             dsinks = -(a * w * (1 - w)).sum((0, 2)).to(sinks.dtype)
             dout = (dfinal.to(w.dtype) * w).to(dfinal.dtype)
-        dq, dk, dv = kernel.backward(dout.contiguous(), q, k, v, final, lse, cu, max_len, scale, causal, *reach,
-                                     state)
+        dq, dk, dv = kernel.backward(dout.contiguous(), q, k, v, final, lse, cu, cu, max_len, max_len, scale, causal,
+                                     *reach, state)
         return dq, dk, dv, dsinks, None, None, None, None, None
 
 
@@ -114,6 +121,8 @@ def varlen_attention(q_BShD, k_BShD, v_BShD, *, causal: bool, scale: float, cu_s
                      max_seqlen: Optional[int], window: Optional[int], sinks: Optional[torch.Tensor]) -> torch.Tensor:
     """Documents (cu_seqlens over the B * S tokens, max_seqlen its longest), window and sinks in one kernel call."""
     B, S, h, D = q_BShD.shape
+    if window is not None and not causal:  # as masks.py: HF's window is a causal notion
+        raise ValueError("a sliding window is defined for causal attention only")
     if cu_seqlens is None:  # every row one document
         cu_seqlens = torch.arange(0, B * S + 1, S, dtype=torch.int32, device=q_BShD.device)
         max_seqlen = S

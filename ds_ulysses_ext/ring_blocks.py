@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -121,6 +121,9 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
 def block_forward(q, k, v, scale: float, mask: BlockMask):
     """Attention of q against one K|V block, with its log-sum-exp (-inf for a row that sees none of its keys)."""
     h = q.shape[1]
+    varlen = _varlen_block(q, mask)
+    if varlen is not None:  # many packed documents: one varlen call for all of them
+        return varlen.forward(q, k, v, scale)
     k, v = _expand(k, h), _expand(v, h)
     parts = _fused_parts(q, mask)
     if parts is not None and mask.doc is None:  # one call covers the block: no buffers to fill
@@ -157,6 +160,9 @@ def block_backward(q, k, v, dout, lse, delta, scale: float, mask: BlockMask, out
     """dq, dk, dv (fp32) of one block, from the MERGED log-sum-exp and delta = rowsum(dout * out) of the whole row
     (`out`: the merged output of these rows, which the fused kernel takes in place of delta)."""
     h, hkv = q.shape[1], k.shape[1]
+    varlen = _varlen_block(q, mask) if out is not None else None
+    if varlen is not None:
+        return varlen.backward(dout, q, k, v, out, lse, scale)
     parts = _fused_parts(q, mask) if out is not None else None
     if parts is not None and mask.doc is None:  # one call covers the block
         dq, dk, dv = _fused_kernel(q).backward(dout, q, _expand(k, h), _expand(v, h), out, lse, scale, parts[0][3])
@@ -313,6 +319,148 @@ class _CudaCudnn:
 
 
 CUDA_KERNELS = (_CudaCudnn, _CudaFlash)  # in order of preference: the first that passes _checked on the device
+
+
+# --- packed documents: one varlen call per block --------------------------------------------------------------
+#
+# With packed documents the per-part calls above cost one kernel launch, a host-side slice and a copy per
+# (batch row, document) of every block, every step, every layer: a 128k row of chat samples holds ~130 of them. A
+# varlen kernel takes them all at once: segment n of the flat query axis (B * Lq rows) attends to segment n of the
+# flat key axis, where the segments are the documents that the block's queries or keys touch, in order (zero rows
+# on either side allowed). The block's visibility flag (the diagonal or all-visible, as above) holds within every
+# document, since a document is an interval of positions. Rows whose document has no key in the block come back
+# as (0, -inf) here whatever the kernel writes for them; keys whose document has no query get zero gradients.
+# The varlen kernel is torch's flash kernel (flash_varlen.py), which on an H200 is slower than cuDNN's per call,
+# so the per-part calls stay for blocks of few, long documents (VARLEN_PARTS).
+
+VARLEN_PARTS = 8  # a block with more document parts per batch row than this takes the varlen call
+VARLEN_ON_CPU = False  # tests set this (with flash_varlen.KERNEL a CPU stand-in) to check the logic in CI
+
+
+class _VarlenBlock(NamedTuple):
+    cu_q: torch.Tensor  # [N+1] int32 segment bounds over the B * Lq query rows
+    cu_k: torch.Tensor  # [N+1] int32 over the B * Lk key rows
+    max_q: int
+    max_k: int
+    causal: bool  # the block's flag: its diagonal (True) or all visible (False)
+    empty_q: torch.Tensor  # [B*Lq] bool: rows whose document has no key in the block
+    empty_k: torch.Tensor  # [B*Lk] bool: keys whose document has no query in the block
+
+    def _flat(self, t):  # [B h L D] -> [B*L h D]
+        B, h, L, D = t.shape
+        return t.transpose(1, 2).reshape(B * L, h, D).contiguous()
+
+    def forward(self, q, k, v, scale):
+        from . import flash_varlen
+        B, h, Lq, D = q.shape
+        out, lse, _ = flash_varlen.KERNEL.forward(self._flat(q), self._flat(k), self._flat(v), self.cu_q, self.cu_k,
+                                                  self.max_q, self.max_k, scale, self.causal, -1,
+                                                  0 if self.causal else -1)
+        out = out.float().masked_fill(self.empty_q[:, None, None], 0.0)
+        lse = lse.float().masked_fill(self.empty_q[None], float("-inf"))  # [h B*Lq]
+        return (out.reshape(B, Lq, h, D).transpose(1, 2), lse.reshape(h, B, Lq).transpose(0, 1))
+
+    def backward(self, dout, q, k, v, out, lse, scale):
+        from . import flash_varlen
+        B, h, Lq, D = q.shape
+        Lk = k.shape[2]
+        lse_hT = lse.float().transpose(0, 1).reshape(h, B * Lq).contiguous()
+        dq, dk, dv = flash_varlen.KERNEL.backward(
+            self._flat(dout.to(q.dtype)), self._flat(q), self._flat(k), self._flat(v), self._flat(out.to(q.dtype)),
+            lse_hT, self.cu_q, self.cu_k, self.max_q, self.max_k, scale, self.causal, -1, 0 if self.causal else -1)
+        dq = dq.float().masked_fill(self.empty_q[:, None, None], 0.0)
+        dk, dv = (g.float().masked_fill(self.empty_k[:, None, None], 0.0) for g in (dk, dv))
+
+        def back(g, L):  # [B*L n D] -> [B n L D]
+            return g.reshape(B, L, g.shape[1], D).transpose(1, 2)
+        return back(dq, Lq), back(dk, Lk), back(dv, Lk)
+
+
+def _varlen_block(q, mask: BlockMask) -> Optional[_VarlenBlock]:
+    """The varlen call of a block with packed documents, or None (no documents, a window, a visibility no flag says,
+    at most VARLEN_PARTS document parts per batch row, or no varlen kernel here)."""
+    if mask.doc is None or mask.window is not None or not _varlen_usable(q):
+        return None
+    return _varlen_plan(mask, VARLEN_PARTS * mask.doc.shape[0])
+
+
+def _varlen_plan(mask: BlockMask, parts_above: int) -> Optional[_VarlenBlock]:
+    # the segments of the block's documents, when more than parts_above of them have both queries and keys here;
+    # one host copy of their counts
+    flag = _fused_flag(BlockMask(mask.causal, mask.q_pos, mask.k_pos))
+    if flag is None:
+        return None
+    # document ids are unique across rows and increase along them, so the flat axes hold them in order
+    q_doc, k_doc = mask.doc[:, mask.q_pos].reshape(-1), mask.doc[:, mask.k_pos].reshape(-1)
+    docs = torch.unique(torch.cat([q_doc, k_doc]))  # sorted: every segment, in flat order
+    n_q = torch.bincount(torch.searchsorted(docs, q_doc), minlength=len(docs))
+    n_k = torch.bincount(torch.searchsorted(docs, k_doc), minlength=len(docs))
+    parts, max_q, max_k = torch.stack([((n_q > 0) & (n_k > 0)).sum(), n_q.max(), n_k.max()]).tolist()
+    if parts <= parts_above:
+        return None
+    zero = torch.zeros(1, dtype=torch.int32, device=q_doc.device)
+    cu_q = torch.cat([zero, n_q.cumsum(0).to(torch.int32)])
+    cu_k = torch.cat([zero, n_k.cumsum(0).to(torch.int32)])
+    return _VarlenBlock(cu_q, cu_k, max_q, max_k, flag, (n_k == 0).repeat_interleave(n_q),
+                        (n_q == 0).repeat_interleave(n_k))
+
+
+def _varlen_usable(q) -> bool:
+    from . import flash_varlen
+    if not q.is_cuda:
+        return VARLEN_ON_CPU
+    D = q.shape[-1]
+    if q.dtype not in (torch.bfloat16, torch.float16) or D % 8 or D > 256:
+        return False
+    return flash_varlen.KERNEL is not flash_varlen._AtenFlash or _checked_varlen(q.device, q.dtype, D)
+
+
+@functools.lru_cache(maxsize=None)
+def _checked_varlen(device, dtype, D: int) -> bool:
+    """Once per (device, dtype, head dim): the varlen block against the torch kernel on small blocks of packed
+    documents (the diagonal and an all-visible block, documents without keys or queries there), forward and
+    backward. Cannot run: logged, False (the per-part calls stay). Disagrees: an error."""
+    with isolated():
+        return _check_varlen(device, dtype, D)
+
+
+def _check_varlen(device, dtype, D: int) -> bool:
+    g = torch.Generator(device=device).manual_seed(0)
+    S = 400
+    ends = torch.tensor([150, 187, 260, 300, 400], device=device)  # documents of 150, 37, 73, 40, 100 tokens
+    doc = torch.searchsorted(ends, torch.arange(S, device=device), right=True)[None]
+    pos = torch.arange(S, device=device)
+    blocks = [(pos, pos), (pos[280:], pos[:280])]  # the diagonal; later queries seeing earlier keys whole
+    for q_pos, k_pos in blocks:
+        mask = BlockMask(True, q_pos, k_pos, doc)
+        q, dout = (torch.randn(1, 4, len(q_pos), D, device=device, dtype=dtype, generator=g) for _ in range(2))
+        k, v = (torch.randn(1, 2, len(k_pos), D, device=device, dtype=dtype, generator=g) for _ in range(2))
+        try:
+            block = _varlen_plan(mask, 0)
+            out, lse = block.forward(q, k, v, D ** -0.5)
+            ref_out, ref_lse = _torch_block_forward(q, _expand(k, 4), _expand(v, 4), D ** -0.5, mask)
+            # the backward's lse is the ring's merged one, finite: check it with a row's own finite lse
+            merged = torch.where(torch.isinf(ref_lse), torch.zeros_like(ref_lse), ref_lse)
+            delta = (dout.float() * ref_out).sum(-1)
+            grads = block.backward(dout, q, k, v, ref_out, merged, D ** -0.5)
+        except (RuntimeError, TypeError) as err:
+            log.warning("ring attention: the varlen block kernel cannot run on %s in %s (%s); packed documents "
+                        "take one fused call per document part", device, dtype, str(err).splitlines()[0][:200])
+            return False
+        ref_grads = _torch_block_backward(q, k, v, dout, merged, delta, D ** -0.5, mask)
+        seen = ~torch.isinf(ref_lse)
+        pairs = [("out", out, ref_out), ("lse", lse.masked_fill(~seen, 0), ref_lse.masked_fill(~seen, 0))]
+        for name, got, ref in pairs + list(zip(("dq", "dk", "dv"), grads, ref_grads)):
+            err = relative_error(name, got, ref)
+            if not err < 2e-2:
+                raise RuntimeError(f"ring attention: the varlen block kernel disagrees with the exact torch "
+                                   f"block kernel on {device} in {dtype} ({name}: error {err:.2e}); set "
+                                   "parallelism.ring=1 or report this")
+        if not torch.equal(torch.isinf(lse), ~seen):
+            raise RuntimeError("ring attention: the varlen block kernel marks other rows empty than the torch "
+                               "kernel does; set parallelism.ring=1 or report this")
+    log.info("ring attention: varlen block kernel checked against the torch kernel on %s in %s", device, dtype)
+    return True
 
 
 def _fused_kernel(q):

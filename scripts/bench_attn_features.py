@@ -30,6 +30,8 @@ Parts:
   documents    (not in the default parts) one row of --seq tokens packed with chat-like documents (lognormal
                lengths, median 600, 16..16384): the shipped path (as for window) against masks.py's per-document
                torch path and one full causal call over the row.
+  ring_documents  (not in the default parts) ring.py at rank 0 with that packed row: one varlen call per block
+               against one fused call per document part, and against the ring without documents.
   ring_window  (not in the default parts) ring.py's torch kernel with a window at ring R, rank 0 (steps the window
                hides entirely are skipped) against ring.py without a window.
 --check (CPU or GPU): the simulation of every rank reassembles exact attention: outputs and dq/dk/dv against full
@@ -107,13 +109,13 @@ def kv_shares(k, v, R):
                       dim=-1).contiguous() for s in range(R)]
 
 
-def rank_inputs(q, k, v, dout, R, r, window, shares=None):
+def rank_inputs(q, k, v, dout, R, r, window, shares=None, doc=None):
     """Ring rank r's share (ring.py's [B h L D] layout), its mask, and every rank's packed K|V share."""
     S = q.shape[2]
     all_pos = torch.arange(S, device=q.device)
     idx = share_positions(all_pos, R, r)
     shares = kv_shares(k, v, R) if shares is None else shares
-    mask = BlockMask(True, idx, all_pos, None, window)
+    mask = BlockMask(True, idx, all_pos, doc, window)
     mine = [t[:, :, idx].contiguous() for t in (q, k, v, dout)]
     return mine, mask, shares, idx
 
@@ -399,6 +401,40 @@ def part_documents(args, leaves, anchor, base):
                     errors=errors, reps={n: len(t) for n, t in times.items()}))
 
 
+def part_ring_documents(args, q, k, v, dout, base):
+    """ring.py at rank 0 with a row of packed chat-like documents (as in part documents): one varlen call per block
+    (ring_blocks._VarlenBlock) against one fused call per document part, and against the ring without documents."""
+    from ds_ulysses_ext.masks import document_ids
+    S = q.shape[2]
+    lengths = chat_lengths(S)
+    cu = masks_cu_seqlens(torch.cat([torch.arange(n, device=q.device) for n in lengths])[None])
+    doc = document_ids(cu, 1, S)
+    saved = blocks_mod.VARLEN_PARTS
+    for R in args.rings:
+        shares = kv_shares(k, v, R)
+        plain = rank_inputs(q, k, v, dout, R, 0, None, shares)
+        packed = rank_inputs(q, k, v, dout, R, 0, None, shares, doc)
+
+        def with_parts(n, prepared):
+            def run():
+                blocks_mod.VARLEN_PARTS = n
+                ring_rank(q, k, v, dout, R, 0, prepared=prepared)
+            return run
+        variants = {"ring": with_parts(saved, plain), "varlen": with_parts(0, packed),
+                    "per_part": with_parts(1 << 30, packed)}
+        times, warm, errors = interleaved(variants, args.reps, q.device, args.budget_s)
+        blocks_mod.VARLEN_PARTS = saved
+        med = medians(times, warm, errors)
+        emit(args, dict(base, part="ring_documents", ring=R, rank=0, documents=len(lengths),
+                        anchor="ring.py at rank 0, no documents", anchor_ms=ms(med["ring"]),
+                        varlen_ms=ms(med["varlen"]), per_part_ms=ms(med["per_part"]),
+                        varlen_vs_per_part=ratio(med["per_part"], med["varlen"]),
+                        varlen_vs_no_documents=ratio(med["ring"], med["varlen"]),
+                        shipped="varlen" if blocks_mod._varlen_block(
+                            packed[0][0], BlockMask(True, packed[1].q_pos, packed[1].q_pos, doc)) is not None
+                        else "per part", errors=errors, reps={n: len(t) for n, t in times.items()}))
+
+
 def part_ring_window(args, q, k, v, dout, base):
     for R in args.rings:
         for w in args.windows:
@@ -514,8 +550,11 @@ def main():
             part_ring_window(args, q, k, v, dout, base)
         elif part == "documents":
             part_documents(args, (qs, ks, vs, ds), anchor, base)
+        elif part == "ring_documents":
+            part_ring_documents(args, q, k, v, dout, base)
         else:
-            raise SystemExit(f"unknown part {part!r}: choose from ring, window, ring_window, documents")
+            raise SystemExit(f"unknown part {part!r}: choose from ring, window, ring_window, documents, "
+                             "ring_documents")
         if device.type == "cuda":
             print(f"peak GPU memory so far {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB", flush=True)
     if failed:

@@ -13,13 +13,16 @@ from ds_ulysses_ext import backends, flash_varlen
 from ds_ulysses_ext.masks import cu_seqlens_of, masked_attention
 
 
-def _visible(cu, T, causal, left, right):
-    # [T T] bool: same document, and the kernel's reach: keys from q - left to q + right (-1 unbounded), causal
-    # meaning no key after q
-    doc = torch.searchsorted(cu[1:].long(), torch.arange(T), right=True)
-    i = torch.arange(T)
-    rel = i[:, None] - i[None, :]  # q - k
-    vis = doc[:, None] == doc[None, :]
+def _visible(cu_q, cu_k, causal, left, right):
+    # [Tq Tk] bool: the same segment, and the kernel's reach around each query's aligned key (a segment's queries
+    # aligned with its last keys: flash's bottom-right convention), causal meaning no key after it
+    Tq, Tk = int(cu_q[-1]), int(cu_k[-1])
+    seg_q = torch.searchsorted(cu_q[1:].long(), torch.arange(Tq), right=True)
+    seg_k = torch.searchsorted(cu_k[1:].long(), torch.arange(Tk), right=True)
+    # each query's aligned key index within the flat key axis: its segment's key end - (its segment's query end - i)
+    aligned = cu_k[1:].long()[seg_q] - (cu_q[1:].long()[seg_q] - torch.arange(Tq))
+    rel = aligned[:, None] - torch.arange(Tk)[None, :]  # > 0: the key is before the aligned one
+    vis = seg_q[:, None] == seg_k[None, :]
     if causal:
         vis &= rel >= 0
     if left >= 0:
@@ -30,33 +33,36 @@ def _visible(cu, T, causal, left, right):
 
 
 class DenseStandIn:
-    """flash_varlen.KERNEL's contract in dense fp64 math: [T h D] q, [T hkv D] k|v -> out [T h D], lse [h T]."""
+    """flash_varlen.KERNEL's contract in dense fp64 math: [Tq h D] q, [Tk hkv D] k|v -> out [Tq h D], lse [h Tq]
+    (a query that sees no key: out 0, lse +inf, as flash writes it)."""
 
     @staticmethod
-    def _operands(q, k, v, cu, scale, causal, left, right):
+    def _operands(q, k, v, cu_q, cu_k, scale, causal, left, right):
         h, hkv = q.shape[1], k.shape[1]
-        kh, vh = (t.transpose(0, 1).repeat_interleave(h // hkv, 0) for t in (k, v))  # [h T D]
-        logits = q.transpose(0, 1) @ kh.transpose(-1, -2) * scale  # [h T T]
-        return kh, vh, logits.masked_fill(~_visible(cu, q.shape[0], causal, left, right), float("-inf"))
+        kh, vh = (t.transpose(0, 1).repeat_interleave(h // hkv, 0) for t in (k, v))  # [h Tk D]
+        logits = q.transpose(0, 1) @ kh.transpose(-1, -2) * scale  # [h Tq Tk]
+        return kh, vh, logits.masked_fill(~_visible(cu_q, cu_k, causal, left, right), float("-inf"))
 
     @staticmethod
-    def forward(q, k, v, cu, max_len, scale, causal, left, right):
-        assert max_len == int((cu[1:] - cu[:-1]).max()) and cu.dtype == torch.int32
-        _, vh, logits = DenseStandIn._operands(q, k, v, cu, scale, causal, left, right)
-        lse = torch.logsumexp(logits, -1)  # [h T]
-        return (torch.exp(logits - lse[..., None]) @ vh).transpose(0, 1), lse, ()
+    def forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, left, right):
+        for cu, m in ((cu_q, max_q), (cu_k, max_k)):
+            assert m == int((cu[1:] - cu[:-1]).max()) and cu.dtype == torch.int32
+        _, vh, logits = DenseStandIn._operands(q, k, v, cu_q, cu_k, scale, causal, left, right)
+        lse = torch.logsumexp(logits, -1)  # [h Tq]
+        out = torch.exp(logits - lse.masked_fill(torch.isinf(lse), 0)[..., None]) @ vh
+        return out.transpose(0, 1), lse.masked_fill(torch.isinf(lse), float("inf")), ()
 
     @staticmethod
-    def backward(dout, q, k, v, out, lse, cu, max_len, scale, causal, left, right, state):
+    def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal, left, right, state=None):
         h, hkv = q.shape[1], k.shape[1]
-        kh, vh, logits = DenseStandIn._operands(q, k, v, cu, scale, causal, left, right)
-        p = torch.exp(logits - lse[..., None])  # [h T T]
-        do = dout.transpose(0, 1)  # [h T D]
+        kh, vh, logits = DenseStandIn._operands(q, k, v, cu_q, cu_k, scale, causal, left, right)
+        p = torch.exp(logits - lse[..., None])  # [h Tq Tk]; a row with lse inf: 0
+        do = dout.transpose(0, 1)  # [h Tq D]
         delta = (do * out.transpose(0, 1)).sum(-1, keepdim=True)  # from the output handed in, as the kernel does
         ds = p * (do @ vh.transpose(-1, -2) - delta)
         dq = (ds @ kh * scale).transpose(0, 1)
 
-        def fold(g):  # [h T D] -> [T hkv D]
+        def fold(g):  # [h Tk D] -> [Tk hkv D]
             return g.reshape(hkv, h // hkv, *g.shape[1:]).sum(1).transpose(0, 1)
         return dq, fold(ds.transpose(-1, -2) @ q.transpose(0, 1) * scale), fold(p.transpose(-1, -2) @ do)
 
@@ -149,3 +155,12 @@ def test_first_use_checks_run_inside_a_checkpointed_layer_or_an_eval(stand_in, c
                 layer(x)
     flash_varlen._checked.cache_clear()
     blocks._checked.cache_clear()
+
+
+def test_a_window_without_causality_is_refused_as_on_the_torch_path(stand_in):
+    q = torch.randn(1, 6, 2, 8, dtype=torch.float64)
+    for run in (lambda: masked_attention(q, q, q, causal=False, window=3),
+                lambda: flash_varlen.varlen_attention(q, q, q, causal=False, scale=1.0, cu_seqlens=None,
+                                                      max_seqlen=None, window=3, sinks=None)):
+        with pytest.raises(ValueError, match="causal attention only"):
+            run()

@@ -111,7 +111,7 @@ def test_sinks_through_sdpa_match_the_definition():
     assert _rel(out, ref) < TOL
 
 
-@pytest.mark.parametrize("kernel", ["_CudaCudnn", "_CudaFlash"])
+@pytest.mark.parametrize("kernel", ["_CudaCudnn", "_CudaFlash", "varlen"])
 def test_fused_ring_with_packed_documents_reassembles_exact_attention(kernel, monkeypatch):
     # the whole simulated ring of 2 ranks with packed documents: one fused call per document part of each block
     import ds_ulysses_ext.ring as ring_mod
@@ -120,7 +120,15 @@ def test_fused_ring_with_packed_documents_reassembles_exact_attention(kernel, mo
     from ds_ulysses_ext.masks import cu_seqlens_of, document_ids, masked_attention
     R, S, D = 2, 4096, 64
     lengths = [1000, 37, 1500, 600, 959]  # documents that cross the zigzag chunks
-    calls = _count_fused_calls(blocks_mod, D, monkeypatch, kernel)
+    if kernel == "varlen":  # every block one varlen call (ring_blocks._VarlenBlock), whatever its part count
+        from ds_ulysses_ext import flash_varlen
+        assert blocks_mod._checked_varlen(torch.device("cuda", torch.cuda.current_device()), torch.bfloat16, D), \
+            "the varlen block kernel was left out: see the log line that says why"
+        monkeypatch.setattr(blocks_mod, "VARLEN_PARTS", 0)
+        calls, real = [], flash_varlen._AtenFlash.forward
+        monkeypatch.setattr(flash_varlen._AtenFlash, "forward", staticmethod(lambda *a: calls.append(1) or real(*a)))
+    else:
+        calls = _count_fused_calls(blocks_mod, D, monkeypatch, kernel)
     q, k, v, dout = _ring_inputs(S, D, seed=3)
     cu = cu_seqlens_of(torch.cat([torch.arange(n) for n in lengths])[None].cuda())
     qf, kf, vf = (t.detach().double().requires_grad_() for t in (q, k, v))
@@ -144,7 +152,8 @@ def test_fused_ring_with_packed_documents_reassembles_exact_attention(kernel, mo
     for name, got, want in (("out", out, ref.detach()), ("dq", dq, qf.grad), ("dk", dkv[..., :D], kf.grad),
                             ("dv", dkv[..., D:], vf.grad)):
         assert _rel(got, want) < TOL, (name, _rel(got, want))
-    assert len(calls) > R * R  # the fused path took the blocks, in more than one part where documents meet
+    # the fused path took the blocks: in more than one part where documents meet, or one varlen call per block
+    assert len(calls) == R * R if kernel == "varlen" else len(calls) > R * R
 
 
 @pytest.mark.parametrize("feature", ["documents", "window", "sinks", "documents+window"])

@@ -474,3 +474,51 @@ def _check_fused_documents(rank, world, ring):
 @pytest.mark.parametrize("world,ring", [(2, 2), (4, 4), (4, 2)])
 def test_fused_ring_with_documents_matches_the_torch_path(world, ring):
     run_ranks(_check_fused_documents, world, ring)
+
+
+def _check_varlen_documents(rank, world, ring, with_sinks):
+    # many packed documents: each block takes ONE varlen call (ring_blocks._VarlenBlock) instead of one call per
+    # document part; a CPU stand-in of the varlen kernel's contract (tests/test_flash_varlen.py) runs it here.
+    # With sinks the backward's call gets the output lowered by their log-sum-exp gradient
+    import ds_ulysses_ext.flash_varlen as flash_varlen
+    from test_flash_varlen import DenseStandIn
+    calls = {"forward": 0, "backward": 0}
+
+    class Counting(DenseStandIn):
+        @staticmethod
+        def forward(*a):
+            calls["forward"] += 1
+            return DenseStandIn.forward(*a)
+
+        @staticmethod
+        def backward(*a):
+            calls["backward"] += 1
+            return DenseStandIn.backward(*a)
+    flash_varlen.KERNEL = Counting
+    blocks_mod.VARLEN_ON_CPU, blocks_mod.VARLEN_PARTS = True, 0
+    _check_masked(rank, world, ring, None, with_sinks)
+    # every ring step of every rank: one call forward, one backward (each step's block touches some document)
+    assert calls == {"forward": ring, "backward": ring}, calls
+
+
+@pytest.mark.parametrize("world,ring", [(2, 2), (4, 4), (4, 2)])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_varlen_ring_blocks_with_documents_match_the_torch_path(world, ring, with_sinks):
+    run_ranks(_check_varlen_documents, world, ring, with_sinks)
+
+
+def test_varlen_plan_segments_the_documents_a_block_touches():
+    # rows of the flat query / key axes per document, zero on a side that has none; the rows and keys to blank
+    BM = blocks_mod.BlockMask
+    doc = torch.tensor([[0, 0, 1, 1, 1, 2, 2, 2], [3, 3, 3, 3, 4, 4, 4, 4]])
+    q_pos, k_pos = torch.arange(2, 6), torch.arange(0, 2)  # later queries, earlier keys: all visible
+    plan = blocks_mod._varlen_plan(BM(True, q_pos, k_pos, doc), 0)
+    # queries: row 0 documents 1,1,1,2 | row 1: 3,3,4,4; keys: row 0 0,0 | row 1 3,3
+    assert plan.causal is False
+    assert plan.cu_q.tolist() == [0, 0, 3, 4, 6, 8] and plan.cu_k.tolist() == [0, 2, 2, 2, 4, 4]
+    assert (plan.max_q, plan.max_k) == (3, 2)
+    assert plan.empty_q.tolist() == [True, True, True, True, False, False, True, True]
+    assert plan.empty_k.tolist() == [True, True, False, False]
+    assert blocks_mod._varlen_plan(BM(True, q_pos, k_pos, doc), 1) is None  # one part: the per-part calls
+    diagonal = blocks_mod._varlen_plan(BM(True, torch.arange(8), torch.arange(8), doc), 0)
+    assert diagonal.causal is True and diagonal.cu_q.tolist() == diagonal.cu_k.tolist() == [0, 2, 5, 8, 12, 16]
