@@ -9,8 +9,8 @@ Which keys a row sees comes from GLOBAL positions (BlockMask: causal, packed doc
 the zigzag order is not sequence order. Two kernels: the exact torch kernel (fp32 logits, bq query rows at a time,
 with a window only the keys each row block's window reaches), which is the reference and what CPU runs; and on
 CUDA in bf16/fp16 a fused kernel with its log-sum-exp (cuDNN's, else torch's flash kernel: CUDA_KERNELS) for every
-block whose visibility an is_causal flag says (with packed documents, one call per document part), checked once
-against the torch kernel at first use.
+block whose visibility an is_causal flag says (with packed documents, one call per document part, or with many
+of them one varlen call for the block: _VarlenBlock), each checked once against the torch kernel at first use.
 The backward of either takes the MERGED output and log-sum-exp of the whole row, so a block's gradients are its
 share of the exact ones.
 """
