@@ -132,13 +132,7 @@ def _ring_forward(q, k, v, scale, mask: BlockMask, ring: _Ring):
         step_mask = _block_mask(mask, ring, src, rows, keys)
         if _sees_any(step_mask):  # a block the window hides would merge as an empty share: skip it
             o_b, l_b = blocks.block_forward(q[:, :, rows], kv[:, :, keys, :D], kv[:, :, keys, D:], scale, step_mask)
-            # fp32 online softmax: rescale both partial results to the merged log-sum-exp (rows that have seen no
-            # key yet stay at out 0, lse -inf)
-            merged = torch.logaddexp(lse[:, :, rows], l_b)
-            safe = blocks._finite(merged)
-            out[:, :, rows] = (out[:, :, rows] * torch.exp(lse[:, :, rows] - safe)[..., None]
-                               + o_b * torch.exp(l_b - safe)[..., None])
-            lse[:, :, rows] = merged
+            blocks.merge(out, lse, rows, o_b, l_b)
         if pending is not None:
             kv = ring.wait(pending)
     return out, lse

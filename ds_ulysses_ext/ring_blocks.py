@@ -113,6 +113,16 @@ def _query_blocks(mask: BlockMask, Lq: int, Lk: int) -> list:
     return [(a, b, s, e) for (a, b), s, e in zip(rows, spans[:n], spans[n:2 * n])]
 
 
+def merge(out, lse, rows, o_b, l_b) -> None:
+    """Merge a partial result (o_b [B h r D], l_b [B h r]) into rows `rows` of (out, lse), in place: the fp32 online
+    softmax, both rescaled to the merged log-sum-exp (rows that have seen no key yet stay at out 0, lse -inf)."""
+    merged = torch.logaddexp(lse[:, :, rows], l_b)
+    safe = _finite(merged)
+    out[:, :, rows] = (out[:, :, rows] * torch.exp(lse[:, :, rows] - safe)[..., None]
+                       + o_b * torch.exp(l_b - safe)[..., None])
+    lse[:, :, rows] = merged
+
+
 def _finite(lse: torch.Tensor) -> torch.Tensor:
     # a row that sees no key of this block has lse -inf: exponentiate against 0 instead, so its weights are 0, not nan
     return lse.masked_fill(torch.isinf(lse), 0.0)
@@ -121,8 +131,8 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
 def block_forward(q, k, v, scale: float, mask: BlockMask):
     """Attention of q against one K|V block, with its log-sum-exp (-inf for a row that sees none of its keys)."""
     h = q.shape[1]
-    varlen = _varlen_block(q, mask)
-    if varlen is not None:  # many packed documents: one varlen call for all of them
+    varlen = _varlen_block(q, mask) or _window_block(q, mask)
+    if varlen is not None:  # many packed documents, or a window: varlen calls
         return varlen.forward(q, k, v, scale)
     k, v = _expand(k, h), _expand(v, h)
     parts = _fused_parts(q, mask)
@@ -160,7 +170,7 @@ def block_backward(q, k, v, dout, lse, delta, scale: float, mask: BlockMask, out
     """dq, dk, dv (fp32) of one block, from the MERGED log-sum-exp and delta = rowsum(dout * out) of the whole row
     (`out`: the merged output of these rows, which the fused kernel takes in place of delta)."""
     h, hkv = q.shape[1], k.shape[1]
-    varlen = _varlen_block(q, mask) if out is not None else None
+    varlen = (_varlen_block(q, mask) or _window_block(q, mask)) if out is not None else None
     if varlen is not None:
         return varlen.backward(dout, q, k, v, out, lse, scale)
     parts = _fused_parts(q, mask) if out is not None else None
@@ -346,14 +356,10 @@ class _VarlenBlock(NamedTuple):
     empty_q: torch.Tensor  # [B*Lq] bool: rows whose document has no key in the block
     empty_k: torch.Tensor  # [B*Lk] bool: keys whose document has no query in the block
 
-    def _flat(self, t):  # [B h L D] -> [B*L h D]
-        B, h, L, D = t.shape
-        return t.transpose(1, 2).reshape(B * L, h, D).contiguous()
-
     def forward(self, q, k, v, scale):
         from . import flash_varlen
         B, h, Lq, D = q.shape
-        out, lse, _ = flash_varlen.KERNEL.forward(self._flat(q), self._flat(k), self._flat(v), self.cu_q, self.cu_k,
+        out, lse, _ = flash_varlen.KERNEL.forward(_flat(q), _flat(k), _flat(v), self.cu_q, self.cu_k,
                                                   self.max_q, self.max_k, scale, self.causal, -1,
                                                   0 if self.causal else -1)
         out = out.float().masked_fill(self.empty_q[:, None, None], 0.0)
@@ -366,7 +372,7 @@ class _VarlenBlock(NamedTuple):
         Lk = k.shape[2]
         lse_hT = lse.float().transpose(0, 1).reshape(h, B * Lq).contiguous()
         dq, dk, dv = flash_varlen.KERNEL.backward(
-            self._flat(dout.to(q.dtype)), self._flat(q), self._flat(k), self._flat(v), self._flat(out.to(q.dtype)),
+            _flat(dout.to(q.dtype)), _flat(q), _flat(k), _flat(v), _flat(out.to(q.dtype)),
             lse_hT, self.cu_q, self.cu_k, self.max_q, self.max_k, scale, self.causal, -1, 0 if self.causal else -1)
         dq = dq.float().masked_fill(self.empty_q[:, None, None], 0.0)
         dk, dv = (g.float().masked_fill(self.empty_k[:, None, None], 0.0) for g in (dk, dv))
@@ -405,6 +411,94 @@ def _varlen_plan(mask: BlockMask, parts_above: int) -> Optional[_VarlenBlock]:
                         (n_q == 0).repeat_interleave(n_k))
 
 
+# --- a sliding window: the kernel's own reach, per pair of contiguous runs --------------------------------------
+#
+# A block's query rows are one or two runs of consecutive positions (a share's zigzag chunks) and so are its keys.
+# For one query run against one key run, the window is a band: query p sees keys p - window + 1 .. p. Trimmed to
+# the queries that reach some key of the run and the keys some query reaches, the band is what the flash kernel's
+# (left, right) reach says around its bottom-right aligned diagonal (right = last query - last key, left = window
+# - 1 - right), so each pair is one varlen call with every batch row a segment, and the pairs merge like ring steps.
+
+
+class _WindowBlock(NamedTuple):
+    pairs: list  # [(query rows qs:qe, key rows ks:ke, left, right)], block-local
+
+    def forward(self, q, k, v, scale):
+        from . import flash_varlen
+        B, h, Lq, D = q.shape
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+        for qs, qe, ks, ke, left, right in self.pairs:
+            cu_q, cu_k = (_rows(B, n, q.device) for n in (qe - qs, ke - ks))
+            o, l, _ = flash_varlen.KERNEL.forward(*(_flat(t) for t in (q[:, :, qs:qe], k[:, :, ks:ke], v[:, :, ks:ke])),
+                                                  cu_q, cu_k, qe - qs, ke - ks, scale, False, left, right)
+            merge(out, lse, slice(qs, qe), _unflat(o.float(), B), l.float().reshape(h, B, qe - qs).transpose(0, 1))
+        return out, lse
+
+    def backward(self, dout, q, k, v, out, lse, scale):
+        from . import flash_varlen
+        B, h, Lq, D = q.shape
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+        dv = torch.zeros_like(dk)
+        for qs, qe, ks, ke, left, right in self.pairs:
+            cu_q, cu_k = (_rows(B, n, q.device) for n in (qe - qs, ke - ks))
+            lse_hT = lse[:, :, qs:qe].float().transpose(0, 1).reshape(h, -1).contiguous()
+            g_q, g_k, g_v = flash_varlen.KERNEL.backward(
+                _flat(dout[:, :, qs:qe].to(q.dtype)), _flat(q[:, :, qs:qe]), _flat(k[:, :, ks:ke]),
+                _flat(v[:, :, ks:ke]), _flat(out[:, :, qs:qe].to(q.dtype)), lse_hT, cu_q, cu_k, qe - qs, ke - ks,
+                scale, False, left, right)
+            dq[:, :, qs:qe] += _unflat(g_q.float(), B)
+            dk[:, :, ks:ke] += _unflat(g_k.float(), B)
+            dv[:, :, ks:ke] += _unflat(g_v.float(), B)
+        return dq, dk, dv
+
+
+def _flat(t):  # [B n L D] -> [B*L n D]: the varlen kernel's token-major layout, every batch row a segment
+    B, n, L, D = t.shape
+    return t.transpose(1, 2).reshape(B * L, n, D).contiguous()
+
+
+def _unflat(t, B):  # [B*L n D] -> [B n L D]
+    return t.reshape(B, -1, t.shape[1], t.shape[2]).transpose(1, 2)
+
+
+def _rows(B, n, device):  # [B+1] int32 segment bounds: every batch row one segment of n rows
+    return torch.arange(0, B * n + 1, n, dtype=torch.int32, device=device)
+
+
+def _runs(pos) -> list:
+    # [(start index, end index, first position)] of the runs of consecutive positions
+    cuts = [0] + ((pos[1:] - pos[:-1]) != 1).nonzero().flatten().add(1).tolist() + [len(pos)]
+    firsts = pos[torch.tensor(cuts[:-1], device=pos.device)].tolist()
+    return [(a, b, p) for a, b, p in zip(cuts[:-1], cuts[1:], firsts)]
+
+
+def _window_block(q, mask: BlockMask) -> Optional[_WindowBlock]:
+    """The windowed block as varlen calls, one per (query run, key run) pair the window connects, or None (no
+    window, documents too, or no varlen kernel here)."""
+    if mask.window is None or mask.doc is not None or not mask.causal or not _varlen_usable(q):
+        return None
+    return _window_plan(mask)
+
+
+def _window_plan(mask: BlockMask) -> _WindowBlock:
+    w, pairs = mask.window, []
+    for qa, qb, pq in _runs(mask.q_pos):
+        for ka, kb, pk in _runs(mask.k_pos):
+            # positions: queries at or after the run's first key, keys at or before the last query, queries whose
+            # window reaches the last such key, keys some such query reaches
+            q0 = max(pq, pk)
+            k1 = min(pk + kb - ka, pq + qb - qa)
+            q1 = min(pq + qb - qa, k1 - 1 + w)
+            k0 = max(pk, q0 - w + 1)
+            if q0 >= q1 or k0 >= k1:
+                continue  # the window connects no query of this run to a key of that one
+            right = q1 - k1
+            pairs.append((qa + q0 - pq, qa + q1 - pq, ka + k0 - pk, ka + k1 - pk, w - 1 - right, right))
+    return _WindowBlock(pairs)
+
+
 def _varlen_usable(q) -> bool:
     from . import flash_varlen
     if not q.is_cuda:
@@ -430,13 +524,15 @@ def _check_varlen(device, dtype, D: int) -> bool:
     ends = torch.tensor([150, 187, 260, 300, 400], device=device)  # documents of 150, 37, 73, 40, 100 tokens
     doc = torch.searchsorted(ends, torch.arange(S, device=device), right=True)[None]
     pos = torch.arange(S, device=device)
-    blocks = [(pos, pos), (pos[280:], pos[:280])]  # the diagonal; later queries seeing earlier keys whole
-    for q_pos, k_pos in blocks:
-        mask = BlockMask(True, q_pos, k_pos, doc)
-        q, dout = (torch.randn(1, 4, len(q_pos), D, device=device, dtype=dtype, generator=g) for _ in range(2))
-        k, v = (torch.randn(1, 2, len(k_pos), D, device=device, dtype=dtype, generator=g) for _ in range(2))
+    share = torch.cat([pos[:100], pos[300:]])  # two runs, as a zigzag share's chunks
+    masks = [BlockMask(True, pos, pos, doc), BlockMask(True, pos[280:], pos[:280], doc),  # documents: the diagonal,
+             BlockMask(True, share, share, window=40),  # later queries seeing earlier keys whole; a window: the
+             BlockMask(True, share, pos[100:300], window=40)]  # diagonal of a share, a share against a later run
+    for mask in masks:
+        q, dout = (torch.randn(1, 4, len(mask.q_pos), D, device=device, dtype=dtype, generator=g) for _ in range(2))
+        k, v = (torch.randn(1, 2, len(mask.k_pos), D, device=device, dtype=dtype, generator=g) for _ in range(2))
         try:
-            block = _varlen_plan(mask, 0)
+            block = _varlen_plan(mask, 0) if mask.doc is not None else _window_plan(mask)
             out, lse = block.forward(q, k, v, D ** -0.5)
             ref_out, ref_lse = _torch_block_forward(q, _expand(k, 4), _expand(v, 4), D ** -0.5, mask)
             # the backward's lse is the ring's merged one, finite: check it with a row's own finite lse
@@ -445,7 +541,8 @@ def _check_varlen(device, dtype, D: int) -> bool:
             grads = block.backward(dout, q, k, v, ref_out, merged, D ** -0.5)
         except (RuntimeError, TypeError) as err:
             log.warning("ring attention: the varlen block kernel cannot run on %s in %s (%s); packed documents "
-                        "take one fused call per document part", device, dtype, str(err).splitlines()[0][:200])
+                        "take one fused call per document part, windows the torch kernel", device, dtype,
+                        str(err).splitlines()[0][:200])
             return False
         ref_grads = _torch_block_backward(q, k, v, dout, merged, delta, D ** -0.5, mask)
         seen = ~torch.isinf(ref_lse)
@@ -454,8 +551,8 @@ def _check_varlen(device, dtype, D: int) -> bool:
             err = relative_error(name, got, ref)
             if not err < 2e-2:
                 raise RuntimeError(f"ring attention: the varlen block kernel disagrees with the exact torch "
-                                   f"block kernel on {device} in {dtype} ({name}: error {err:.2e}); set "
-                                   "parallelism.ring=1 or report this")
+                                   f"block kernel on {device} in {dtype} ({name}: error {err:.2e}, window="
+                                   f"{mask.window}); set parallelism.ring=1 or report this")
         if not torch.equal(torch.isinf(lse), ~seen):
             raise RuntimeError("ring attention: the varlen block kernel marks other rows empty than the torch "
                                "kernel does; set parallelism.ring=1 or report this")

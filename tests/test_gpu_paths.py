@@ -272,3 +272,21 @@ def test_fused_ring_with_sinks_reassembles_exact_attention(kernel, monkeypatch):
                             ("dv", dkv[..., D:], vf.grad), ("dsinks", dsinks, sf.grad)):
         assert _rel(got, want) < TOL, (name, _rel(got, want))
     assert len(calls) == len(backward_calls) == R * R  # every block of every rank ran fused, both ways
+
+
+@pytest.mark.parametrize("window", [128, 1000])
+@pytest.mark.parametrize("R", [2, 4])
+def test_ring_with_a_window_through_varlen_calls_reassembles_exact_attention(R, window, monkeypatch):
+    # a sliding window under the ring: each block's (query run, key run) pairs within reach as varlen calls with
+    # the kernel's own reach (ring_blocks._WindowBlock), the whole simulated ring against fp64
+    import ds_ulysses_ext.ring_blocks as blocks_mod
+    from bench_attn_features import check_ring
+    from ds_ulysses_ext import flash_varlen
+    S, D = 4096, 64
+    assert blocks_mod._checked_varlen(torch.device("cuda", torch.cuda.current_device()), torch.bfloat16, D), \
+        "the varlen block kernel was left out: see the log line that says why"
+    calls, real = [], flash_varlen._AtenFlash.forward
+    monkeypatch.setattr(flash_varlen._AtenFlash, "forward", staticmethod(lambda *a: calls.append(a[-2:]) or real(*a)))
+    q, k, v, dout = _ring_inputs(S, D, seed=7)
+    check_ring(q, k, v, dout, R, window, rtol=TOL)
+    assert calls and all(left + right == window - 1 for left, right in calls), calls

@@ -290,7 +290,7 @@ def _masked_reference(q, k, v, dout, cu, window, sinks):
     return out.detach(), q.grad, k.grad, v.grad, sinks.grad
 
 
-def _check_masked(rank, world, ring, window, with_sinks):
+def _check_masked(rank, world, ring, window, with_sinks, documents=True):
     from ds_ulysses_ext.masks import cu_seqlens_of
     blocks_mod.QUERY_BLOCK = 3
     topo = init_topology(world, ring_size=ring)
@@ -298,7 +298,7 @@ def _check_masked(rank, world, ring, window, with_sinks):
     q, k, v, dout = _inputs(Sp, 2, Sp)
     # row 0: documents of 5, 8 and 3 tokens (the 8 crosses zigzag chunks); row 1: one document
     pos = torch.stack([torch.cat([torch.arange(5), torch.arange(8), torch.arange(3)]), torch.arange(16)])
-    cu = cu_seqlens_of(pos)
+    cu = cu_seqlens_of(pos) if documents else None
     sinks = torch.randn(4, generator=torch.Generator().manual_seed(9)) * 2
     ref = _masked_reference(q, k, v, dout, cu, window, sinks if with_sinks else torch.full((4,), -torch.inf))
     idx = rank_positions(Sp, world, ring, topo.cp_rank)
@@ -522,3 +522,40 @@ def test_varlen_plan_segments_the_documents_a_block_touches():
     assert blocks_mod._varlen_plan(BM(True, q_pos, k_pos, doc), 1) is None  # one part: the per-part calls
     diagonal = blocks_mod._varlen_plan(BM(True, torch.arange(8), torch.arange(8), doc), 0)
     assert diagonal.causal is True and diagonal.cu_q.tolist() == diagonal.cu_k.tolist() == [0, 2, 5, 8, 12, 16]
+
+
+def _check_varlen_window(rank, world, ring, window, with_sinks):
+    # a window without documents: each block's (query run, key run) pairs that the window connects are one varlen
+    # call each, with the kernel's own reach (ring_blocks._WindowBlock), through the CPU stand-in
+    import ds_ulysses_ext.flash_varlen as flash_varlen
+    from test_flash_varlen import DenseStandIn
+    calls = []
+
+    class Counting(DenseStandIn):
+        @staticmethod
+        def forward(*a):
+            calls.append(a[-2:])  # (left, right)
+            return DenseStandIn.forward(*a)
+    flash_varlen.KERNEL = Counting
+    blocks_mod.VARLEN_ON_CPU = True
+    _check_masked(rank, world, ring, window, with_sinks, documents=False)
+    assert calls and all(left + right == window - 1 and right >= 0 for left, right in calls), calls
+
+
+@pytest.mark.parametrize("world,ring", [(2, 2), (4, 4), (4, 2)])
+@pytest.mark.parametrize("window,with_sinks", [(3, False), (6, True), (2, False)])
+def test_varlen_ring_blocks_with_a_window_match_the_torch_path(world, ring, window, with_sinks):
+    run_ranks(_check_varlen_window, world, ring, window, with_sinks)
+
+
+def test_window_plan_pairs_runs_within_reach():
+    # a share of chunks 0 and 3 of 4 (positions 0-3, 12-15) against the keys 4-11 (chunks 1, 2), window 3: only the
+    # second run reaches them, its queries 12 and 13 the keys 10 and 11: rows 4:6 against keys 6:8 (left 0, right 2
+    # around the bottom-right aligned diagonal: query 12 sees keys 10 and 11, query 13 key 11)
+
+    BM = blocks_mod.BlockMask
+    share = torch.tensor([0, 1, 2, 3, 12, 13, 14, 15])
+    plan = blocks_mod._window_plan(BM(True, share, torch.arange(4, 12), window=3))
+    assert plan.pairs == [(4, 6, 6, 8, 0, 2)]
+    diagonal = blocks_mod._window_plan(BM(True, share, share, window=3))
+    assert diagonal.pairs == [(0, 4, 0, 4, 2, 0), (4, 8, 4, 8, 2, 0)]  # chunks 3 and 0 are 9 apart: no pair
