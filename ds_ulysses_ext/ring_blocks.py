@@ -431,7 +431,8 @@ class _WindowBlock(NamedTuple):
         for qs, qe, ks, ke, left, right in self.pairs:
             cu_q, cu_k = (_rows(B, n, q.device) for n in (qe - qs, ke - ks))
             o, l, _ = flash_varlen.KERNEL.forward(*(_flat(t) for t in (q[:, :, qs:qe], k[:, :, ks:ke], v[:, :, ks:ke])),
-                                                  cu_q, cu_k, qe - qs, ke - ks, scale, False, left, right)
+                                                  cu_q, cu_k, qe - qs, _max_k(ke - ks, left, right), scale, False,
+                                                  left, right)
             merge(out, lse, slice(qs, qe), _unflat(o.float(), B), l.float().reshape(h, B, qe - qs).transpose(0, 1))
         return out, lse
 
@@ -446,12 +447,19 @@ class _WindowBlock(NamedTuple):
             lse_hT = lse[:, :, qs:qe].float().transpose(0, 1).reshape(h, -1).contiguous()
             g_q, g_k, g_v = flash_varlen.KERNEL.backward(
                 _flat(dout[:, :, qs:qe].to(q.dtype)), _flat(q[:, :, qs:qe]), _flat(k[:, :, ks:ke]),
-                _flat(v[:, :, ks:ke]), _flat(out[:, :, qs:qe].to(q.dtype)), lse_hT, cu_q, cu_k, qe - qs, ke - ks,
-                scale, False, left, right)
+                _flat(v[:, :, ks:ke]), _flat(out[:, :, qs:qe].to(q.dtype)), lse_hT, cu_q, cu_k, qe - qs,
+                _max_k(ke - ks, left, right), scale, False, left, right)
             dq[:, :, qs:qe] += _unflat(g_q.float(), B)
             dk[:, :, ks:ke] += _unflat(g_k.float(), B)
             dv[:, :, ks:ke] += _unflat(g_v.float(), B)
         return dq, dk, dv
+
+
+def _max_k(Lk, left, right):
+    # the max_seqlen_k to hand flash: its entry points read a reach of at least max_seqlen_k as unbounded, which
+    # changes the band where a pair has more queries than keys (a window longer than a zigzag chunk: measured on
+    # the H200 at ring 4, window 1000, chunks of 512); an upper bound above both reaches keeps them as given
+    return max(Lk, left + 1, right + 1)
 
 
 def _flat(t):  # [B n L D] -> [B*L n D]: the varlen kernel's token-major layout, every batch row a segment
@@ -527,7 +535,8 @@ def _check_varlen(device, dtype, D: int) -> bool:
     share = torch.cat([pos[:100], pos[300:]])  # two runs, as a zigzag share's chunks
     masks = [BlockMask(True, pos, pos, doc), BlockMask(True, pos[280:], pos[:280], doc),  # documents: the diagonal,
              BlockMask(True, share, share, window=40),  # later queries seeing earlier keys whole; a window: the
-             BlockMask(True, share, pos[100:300], window=40)]  # diagonal of a share, a share against a later run
+             BlockMask(True, share, pos[100:300], window=40),  # diagonal of a share, a share against a later run,
+             BlockMask(True, pos[300:], pos[280:300], window=40)]  # a window longer than the key run (_max_k)
     for mask in masks:
         q, dout = (torch.randn(1, 4, len(mask.q_pos), D, device=device, dtype=dtype, generator=g) for _ in range(2))
         k, v = (torch.randn(1, 2, len(mask.k_pos), D, device=device, dtype=dtype, generator=g) for _ in range(2))

@@ -13,6 +13,24 @@ from ds_ulysses_ext import backends, flash_varlen
 from ds_ulysses_ext.masks import cu_seqlens_of, masked_attention
 
 
+def _reach_as_flash_takes_it(causal, left, right, max_q, max_k):
+    # what flash-attention 2's entry points make of the arguments before the kernel runs (its flash_api.cpp): a
+    # reach of at least max_seqlen_k means unbounded (-1), causal sets the right reach to 0, and one unbounded
+    # side next to a bounded one becomes max_seqlen_k. The stand-in applies the same, so a caller that relies on a
+    # reach being kept as given (which it is not past max_seqlen_k) fails here too
+    if max_q == 1:
+        causal = False
+    if causal:
+        right = 0
+    left = -1 if left >= max_k else left
+    right = -1 if right >= max_k else right
+    if left < 0 and right >= 0:
+        left = max_k
+    if left >= 0 and right < 0:
+        right = max_k
+    return causal, left, right
+
+
 def _visible(cu_q, cu_k, causal, left, right):
     # [Tq Tk] bool: the same segment, and the kernel's reach around each query's aligned key (a segment's queries
     # aligned with its last keys: flash's bottom-right convention), causal meaning no key after it
@@ -37,7 +55,8 @@ class DenseStandIn:
     (a query that sees no key: out 0, lse +inf, as flash writes it)."""
 
     @staticmethod
-    def _operands(q, k, v, cu_q, cu_k, scale, causal, left, right):
+    def _operands(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, left, right):
+        causal, left, right = _reach_as_flash_takes_it(causal, left, right, max_q, max_k)
         h, hkv = q.shape[1], k.shape[1]
         kh, vh = (t.transpose(0, 1).repeat_interleave(h // hkv, 0) for t in (k, v))  # [h Tk D]
         logits = q.transpose(0, 1) @ kh.transpose(-1, -2) * scale  # [h Tq Tk]
@@ -45,9 +64,9 @@ class DenseStandIn:
 
     @staticmethod
     def forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, left, right):
-        for cu, m in ((cu_q, max_q), (cu_k, max_k)):
-            assert m == int((cu[1:] - cu[:-1]).max()) and cu.dtype == torch.int32
-        _, vh, logits = DenseStandIn._operands(q, k, v, cu_q, cu_k, scale, causal, left, right)
+        for cu, m in ((cu_q, max_q), (cu_k, max_k)):  # an upper bound of the segments' lengths, as flash needs
+            assert m >= int((cu[1:] - cu[:-1]).max()) and cu.dtype == torch.int32
+        _, vh, logits = DenseStandIn._operands(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, left, right)
         lse = torch.logsumexp(logits, -1)  # [h Tq]
         out = torch.exp(logits - lse.masked_fill(torch.isinf(lse), 0)[..., None]) @ vh
         return out.transpose(0, 1), lse.masked_fill(torch.isinf(lse), float("inf")), ()
@@ -55,7 +74,7 @@ class DenseStandIn:
     @staticmethod
     def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal, left, right, state=None):
         h, hkv = q.shape[1], k.shape[1]
-        kh, vh, logits = DenseStandIn._operands(q, k, v, cu_q, cu_k, scale, causal, left, right)
+        kh, vh, logits = DenseStandIn._operands(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, left, right)
         p = torch.exp(logits - lse[..., None])  # [h Tq Tk]; a row with lse inf: 0
         do = dout.transpose(0, 1)  # [h Tq D]
         delta = (do * out.transpose(0, 1)).sum(-1, keepdim=True)  # from the output handed in, as the kernel does

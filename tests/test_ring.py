@@ -559,3 +559,17 @@ def test_window_plan_pairs_runs_within_reach():
     assert plan.pairs == [(4, 6, 6, 8, 0, 2)]
     diagonal = blocks_mod._window_plan(BM(True, share, share, window=3))
     assert diagonal.pairs == [(0, 4, 0, 4, 2, 0), (4, 8, 4, 8, 2, 0)]  # chunks 3 and 0 are 9 apart: no pair
+
+
+def test_the_varlen_first_use_check_covers_a_window_longer_than_a_key_run(monkeypatch):
+    # the GPU's first-use check must catch what the H200 showed (ring 4, window 1000, chunks of 512: a pair with
+    # more queries than keys, whose right reach flash reads as unbounded past max_seqlen_k); through the stand-in,
+    # which takes the reaches as flash does, it passes as shipped and fails without _max_k
+    import ds_ulysses_ext.flash_varlen as flash_varlen
+    from test_flash_varlen import DenseStandIn
+    monkeypatch.setattr(flash_varlen, "KERNEL", DenseStandIn)
+    cpu = torch.device("cpu")
+    assert blocks_mod._check_varlen(cpu, torch.float32, 16) is True
+    monkeypatch.setattr(blocks_mod, "_max_k", lambda Lk, left, right: Lk)
+    with pytest.raises(RuntimeError, match="disagrees with the exact torch block kernel"):
+        blocks_mod._check_varlen(cpu, torch.float32, 16)
