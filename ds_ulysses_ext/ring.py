@@ -23,10 +23,11 @@ K|V around the ring again, recomputes each block's probabilities from the saved 
 the fp32 dK|dV accumulator of each share along with it; after R hops the accumulator is back at its owner.
 The dK|dV send of step t overlaps the kernel of step t + 1. Per hop: K|V in the input dtype plus dK|dV in fp32.
 
-The per-block kernels (ring_blocks.py): a fused kernel (cuDNN's, else torch's flash) where a block's visibility
-allows on CUDA in bf16/fp16, checked once at first use, else the exact torch kernel. Visibility comes from GLOBAL positions:
-causal, packed documents (the global cu_seqlens shard_batch returns, as for Ulysses) and HF's sliding window, so
-packing and windows are exact under the ring too. A step whose block a window hides entirely (no query row within
+The per-block kernels (ring_blocks.py, ring_varlen.py): a fused kernel (cuDNN's, else torch's flash; varlen
+calls for many packed documents and for windows) where a block's visibility allows on CUDA in bf16/fp16, checked
+once at first use, else the exact torch kernel. Visibility comes from GLOBAL positions: causal, packed documents
+(the global cu_seqlens shard_batch returns, as for Ulysses) and HF's sliding window, so packing and windows are
+exact under the ring too. A step whose block a window hides entirely (no query row within
 the window of any of its keys) is skipped, in forward and backward: an empty block adds nothing to the merge, to dq
 or to the dK|dV accumulator, which still travels on. A block that only document boundaries hide is still computed,
 masked. A row may see no key of some block: its partial lse is -inf and it merges as an empty share.
@@ -212,8 +213,9 @@ class _RingAttention(torch.autograd.Function):
 
 @functools.lru_cache(maxsize=None)
 def _log_kernel(backend: str) -> None:
-    log.info("ring attention: a fused kernel (cuDNN's, else torch's flash) for the blocks it can take on CUDA in "
-             "bf16/fp16 (checked at first use), else the exact torch block kernel; attention backend %s is not used inside the ring", backend)
+    log.info("ring attention: fused kernels (cuDNN's, else torch's flash, varlen calls for documents and windows) "
+             "for the blocks they can take on CUDA in bf16/fp16 (checked at first use), else the exact torch block "
+             "kernel; attention backend %s is not used inside the ring", backend)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ring_group, ulysses_group=None,

@@ -52,6 +52,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import ds_ulysses_ext.ring as ring_mod  # noqa: E402
 import ds_ulysses_ext.ring_blocks as blocks_mod  # noqa: E402
+import ds_ulysses_ext.ring_varlen as varlen_mod  # noqa: E402
 from ds_ulysses_ext import flash_varlen  # noqa: E402
 from ds_ulysses_ext.backends import local_attention, sdpa_attention  # noqa: E402
 from ds_ulysses_ext.masks import cu_seqlens_of as masks_cu_seqlens, masked_attention  # noqa: E402
@@ -403,13 +404,13 @@ def part_documents(args, leaves, anchor, base):
 
 def part_ring_documents(args, q, k, v, dout, base):
     """ring.py at rank 0 with a row of packed chat-like documents (as in part documents): one varlen call per block
-    (ring_blocks._VarlenBlock) against one fused call per document part, and against the ring without documents."""
+    (ring_varlen._VarlenBlock) against one fused call per document part, and against the ring without documents."""
     from ds_ulysses_ext.masks import document_ids
     S = q.shape[2]
     lengths = chat_lengths(S)
     cu = masks_cu_seqlens(torch.cat([torch.arange(n, device=q.device) for n in lengths])[None])
     doc = document_ids(cu, 1, S)
-    saved = blocks_mod.VARLEN_PARTS
+    saved = varlen_mod.VARLEN_PARTS
     for R in args.rings:
         shares = kv_shares(k, v, R)
         plain = rank_inputs(q, k, v, dout, R, 0, None, shares)
@@ -417,20 +418,20 @@ def part_ring_documents(args, q, k, v, dout, base):
 
         def with_parts(n, prepared):
             def run():
-                blocks_mod.VARLEN_PARTS = n
+                varlen_mod.VARLEN_PARTS = n
                 ring_rank(q, k, v, dout, R, 0, prepared=prepared)
             return run
         variants = {"ring": with_parts(saved, plain), "varlen": with_parts(0, packed),
                     "per_part": with_parts(1 << 30, packed)}
         times, warm, errors = interleaved(variants, args.reps, q.device, args.budget_s)
-        blocks_mod.VARLEN_PARTS = saved
+        varlen_mod.VARLEN_PARTS = saved
         med = medians(times, warm, errors)
         emit(args, dict(base, part="ring_documents", ring=R, rank=0, documents=len(lengths),
                         anchor="ring.py at rank 0, no documents", anchor_ms=ms(med["ring"]),
                         varlen_ms=ms(med["varlen"]), per_part_ms=ms(med["per_part"]),
                         varlen_vs_per_part=ratio(med["per_part"], med["varlen"]),
                         varlen_vs_no_documents=ratio(med["ring"], med["varlen"]),
-                        shipped="varlen" if blocks_mod._varlen_block(
+                        shipped="varlen" if varlen_mod.varlen_block(
                             packed[0][0], BlockMask(True, packed[1].q_pos, packed[1].q_pos, doc)) is not None
                         else "per part", errors=errors, reps={n: len(t) for n, t in times.items()}))
 

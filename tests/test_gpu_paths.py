@@ -120,11 +120,12 @@ def test_fused_ring_with_packed_documents_reassembles_exact_attention(kernel, mo
     from ds_ulysses_ext.masks import cu_seqlens_of, document_ids, masked_attention
     R, S, D = 2, 4096, 64
     lengths = [1000, 37, 1500, 600, 959]  # documents that cross the zigzag chunks
-    if kernel == "varlen":  # every block one varlen call (ring_blocks._VarlenBlock), whatever its part count
+    import ds_ulysses_ext.ring_varlen as varlen_mod
+    if kernel == "varlen":  # every block one varlen call (ring_varlen._VarlenBlock), whatever its part count
         from ds_ulysses_ext import flash_varlen
-        assert blocks_mod._checked_varlen(torch.device("cuda", torch.cuda.current_device()), torch.bfloat16, D), \
+        assert varlen_mod._checked_varlen(torch.device("cuda", torch.cuda.current_device()), torch.bfloat16, D), \
             "the varlen block kernel was left out: see the log line that says why"
-        monkeypatch.setattr(blocks_mod, "VARLEN_PARTS", 0)
+        monkeypatch.setattr(varlen_mod, "VARLEN_PARTS", 0)
         calls, real = [], flash_varlen._AtenFlash.forward
         monkeypatch.setattr(flash_varlen._AtenFlash, "forward", staticmethod(lambda *a: calls.append(1) or real(*a)))
     else:
@@ -278,12 +279,12 @@ def test_fused_ring_with_sinks_reassembles_exact_attention(kernel, monkeypatch):
 @pytest.mark.parametrize("R", [2, 4])
 def test_ring_with_a_window_through_varlen_calls_reassembles_exact_attention(R, window, monkeypatch):
     # a sliding window under the ring: each block's (query run, key run) pairs within reach as varlen calls with
-    # the kernel's own reach (ring_blocks._WindowBlock), the whole simulated ring against fp64
-    import ds_ulysses_ext.ring_blocks as blocks_mod
+    # the kernel's own reach (ring_varlen._WindowBlock), the whole simulated ring against fp64
+    import ds_ulysses_ext.ring_varlen as varlen_mod
     from bench_attn_features import check_ring
     from ds_ulysses_ext import flash_varlen
     S, D = 4096, 64
-    assert blocks_mod._checked_varlen(torch.device("cuda", torch.cuda.current_device()), torch.bfloat16, D), \
+    assert varlen_mod._checked_varlen(torch.device("cuda", torch.cuda.current_device()), torch.bfloat16, D), \
         "the varlen block kernel was left out: see the log line that says why"
     calls, real = [], flash_varlen._AtenFlash.forward
     monkeypatch.setattr(flash_varlen._AtenFlash, "forward", staticmethod(lambda *a: calls.append(a[-2:]) or real(*a)))

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 import ds_ulysses_ext.ring as ring_mod
 import ds_ulysses_ext.ring_blocks as blocks_mod
+import ds_ulysses_ext.ring_varlen as varlen_mod
 from cp_check import assert_share_matches_unsplit
 from dist_harness import run_ranks
 from ds_ulysses_ext import init_topology
@@ -477,7 +478,7 @@ def test_fused_ring_with_documents_matches_the_torch_path(world, ring):
 
 
 def _check_varlen_documents(rank, world, ring, with_sinks):
-    # many packed documents: each block takes ONE varlen call (ring_blocks._VarlenBlock) instead of one call per
+    # many packed documents: each block takes ONE varlen call (ring_varlen._VarlenBlock) instead of one call per
     # document part; a CPU stand-in of the varlen kernel's contract (tests/test_flash_varlen.py) runs it here.
     # With sinks the backward's call gets the output lowered by their log-sum-exp gradient
     import ds_ulysses_ext.flash_varlen as flash_varlen
@@ -495,7 +496,7 @@ def _check_varlen_documents(rank, world, ring, with_sinks):
             calls["backward"] += 1
             return DenseStandIn.backward(*a)
     flash_varlen.KERNEL = Counting
-    blocks_mod.VARLEN_ON_CPU, blocks_mod.VARLEN_PARTS = True, 0
+    varlen_mod.VARLEN_ON_CPU, varlen_mod.VARLEN_PARTS = True, 0
     _check_masked(rank, world, ring, None, with_sinks)
     # every ring step of every rank: one call forward, one backward (each step's block touches some document)
     assert calls == {"forward": ring, "backward": ring}, calls
@@ -512,21 +513,21 @@ def test_varlen_plan_segments_the_documents_a_block_touches():
     BM = blocks_mod.BlockMask
     doc = torch.tensor([[0, 0, 1, 1, 1, 2, 2, 2], [3, 3, 3, 3, 4, 4, 4, 4]])
     q_pos, k_pos = torch.arange(2, 6), torch.arange(0, 2)  # later queries, earlier keys: all visible
-    plan = blocks_mod._varlen_plan(BM(True, q_pos, k_pos, doc), 0)
+    plan = varlen_mod._varlen_plan(BM(True, q_pos, k_pos, doc), 0)
     # queries: row 0 documents 1,1,1,2 | row 1: 3,3,4,4; keys: row 0 0,0 | row 1 3,3
     assert plan.causal is False
     assert plan.cu_q.tolist() == [0, 0, 3, 4, 6, 8] and plan.cu_k.tolist() == [0, 2, 2, 2, 4, 4]
     assert (plan.max_q, plan.max_k) == (3, 2)
     assert plan.empty_q.tolist() == [True, True, True, True, False, False, True, True]
     assert plan.empty_k.tolist() == [True, True, False, False]
-    assert blocks_mod._varlen_plan(BM(True, q_pos, k_pos, doc), 1) is None  # one part: the per-part calls
-    diagonal = blocks_mod._varlen_plan(BM(True, torch.arange(8), torch.arange(8), doc), 0)
+    assert varlen_mod._varlen_plan(BM(True, q_pos, k_pos, doc), 1) is None  # one part: the per-part calls
+    diagonal = varlen_mod._varlen_plan(BM(True, torch.arange(8), torch.arange(8), doc), 0)
     assert diagonal.causal is True and diagonal.cu_q.tolist() == diagonal.cu_k.tolist() == [0, 2, 5, 8, 12, 16]
 
 
 def _check_varlen_window(rank, world, ring, window, with_sinks):
     # a window without documents: each block's (query run, key run) pairs that the window connects are one varlen
-    # call each, with the kernel's own reach (ring_blocks._WindowBlock), through the CPU stand-in
+    # call each, with the kernel's own reach (ring_varlen._WindowBlock), through the CPU stand-in
     import ds_ulysses_ext.flash_varlen as flash_varlen
     from test_flash_varlen import DenseStandIn
     calls = []
@@ -537,7 +538,7 @@ def _check_varlen_window(rank, world, ring, window, with_sinks):
             calls.append(a[-2:])  # (left, right)
             return DenseStandIn.forward(*a)
     flash_varlen.KERNEL = Counting
-    blocks_mod.VARLEN_ON_CPU = True
+    varlen_mod.VARLEN_ON_CPU = True
     _check_masked(rank, world, ring, window, with_sinks, documents=False)
     assert calls and all(left + right == window - 1 and right >= 0 for left, right in calls), calls
 
@@ -555,9 +556,9 @@ def test_window_plan_pairs_runs_within_reach():
 
     BM = blocks_mod.BlockMask
     share = torch.tensor([0, 1, 2, 3, 12, 13, 14, 15])
-    plan = blocks_mod._window_plan(BM(True, share, torch.arange(4, 12), window=3))
+    plan = varlen_mod._window_plan(BM(True, share, torch.arange(4, 12), window=3))
     assert plan.pairs == [(4, 6, 6, 8, 0, 2)]
-    diagonal = blocks_mod._window_plan(BM(True, share, share, window=3))
+    diagonal = varlen_mod._window_plan(BM(True, share, share, window=3))
     assert diagonal.pairs == [(0, 4, 0, 4, 2, 0), (4, 8, 4, 8, 2, 0)]  # chunks 3 and 0 are 9 apart: no pair
 
 
@@ -569,7 +570,7 @@ def test_the_varlen_first_use_check_covers_a_window_longer_than_a_key_run(monkey
     from test_flash_varlen import DenseStandIn
     monkeypatch.setattr(flash_varlen, "KERNEL", DenseStandIn)
     cpu = torch.device("cpu")
-    assert blocks_mod._check_varlen(cpu, torch.float32, 16) is True
-    monkeypatch.setattr(blocks_mod, "_max_k", lambda Lk, left, right: Lk)
+    assert varlen_mod._check_varlen(cpu, torch.float32, 16) is True
+    monkeypatch.setattr(varlen_mod, "_max_k", lambda Lk, left, right: Lk)
     with pytest.raises(RuntimeError, match="disagrees with the exact torch block kernel"):
-        blocks_mod._check_varlen(cpu, torch.float32, 16)
+        varlen_mod._check_varlen(cpu, torch.float32, 16)
