@@ -30,8 +30,9 @@ log = logging.getLogger(__name__)
 # varlen kernel takes them all at once: segment n of the flat query axis (B * Lq rows) attends to segment n of the
 # flat key axis, where the segments are the documents that the block's queries or keys touch, in order (zero rows
 # on either side allowed). The block's visibility flag (the diagonal or all-visible: ring_blocks._fused_flag) holds
-# within every document, since a document is an interval of positions. Rows whose document has no key in the block come back
-# as (0, -inf) here whatever the kernel writes for them; keys whose document has no query get zero gradients.
+# within every document, since a document is an interval of positions. Rows whose document has no key in the
+# block come back as (0, -inf) here whatever the kernel writes for them; keys whose document has no query get zero
+# gradients.
 # The varlen kernel is torch's flash kernel (flash_varlen.py), which on an H200 is slower than cuDNN's per call,
 # so the per-part calls stay for blocks of few, long documents (VARLEN_PARTS).
 
