@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import UnsupportedError
+from .kernel_check import HALF
 from . import flash_varlen
 from .masks import masked_attention
 
@@ -128,7 +129,7 @@ def _log_fallback(name: str, missing: tuple) -> None:
 
 
 # the flash kernels take half precision only; an fp32 run (exactness checks on GPU) must not pick them
-_FLASH_DTYPES = (torch.bfloat16, torch.float16)
+_FLASH_DTYPES = HALF
 
 
 def resolve_backend(name: str, device_type: str, dtype: Optional[torch.dtype] = None) -> str:

@@ -20,8 +20,28 @@ def isolated():
         yield
 
 
+HALF = (torch.bfloat16, torch.float16)
+TOLERANCE = 2e-2  # bf16 inputs: a fused kernel and the exact one differ by rounding only (~1e-3)
+
+
+def fused_shape_ok(t: torch.Tensor) -> bool:
+    """What the fused CUDA kernels (cuDNN's, flash) take: a CUDA tensor in bf16/fp16, head dim a multiple of 8 up
+    to 256. Whether a kernel then passes its first-use check is each caller's own."""
+    D = t.shape[-1]
+    return t.is_cuda and t.dtype in HALF and D % 8 == 0 and D <= 256
+
+
 def relative_error(name: str, got: torch.Tensor, ref: torch.Tensor) -> float:
     # a log-sum-exp is an exponent: absolute error; everything else relative in the norm
     if name == "lse":
         return (got.float() - ref.float()).abs().max().item()
     return ((got.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
+
+
+def first_disagreement(named) -> "tuple[str, float] | None":
+    """(name, error) of the first (name, got, ref) over TOLERANCE, or None when all agree."""
+    for name, got, ref in named:
+        err = relative_error(name, got, ref)
+        if not err < TOLERANCE:
+            return name, err
+    return None

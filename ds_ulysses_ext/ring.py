@@ -121,17 +121,30 @@ def share_positions(all_pos: torch.Tensor, ring: int, src: int) -> torch.Tensor:
     return torch.cat([chunks[src], chunks[2 * ring - 1 - src]])
 
 
-def _ring_forward(q, k, v, scale, mask: BlockMask, ring: _Ring):
+def _step(t: int, mask: BlockMask, ring: "_Ring", L: int, steps: Optional[dict]):
+    """(src, query rows, key rows, the step's BlockMask, whether its block is seen) of ring step t. `steps`, when
+    given, keeps them from the forward for the backward: the same step masks then carry their kernel plans
+    (BlockMask.planned), whose host copies are made once per layer, not twice."""
+    if steps is not None and t in steps:
+        return steps[t]
+    src = (ring.rank - t) % ring.size
+    rows, keys = _step_slices(t, src, ring.rank, L, mask.causal)
+    step_mask = _block_mask(mask, ring, src, rows, keys)
+    step = (src, rows, keys, step_mask, _sees_any(step_mask))
+    if steps is not None:
+        steps[t] = step
+    return step
+
+
+def _ring_forward(q, k, v, scale, mask: BlockMask, ring: _Ring, steps: Optional[dict] = None):
     B, h, L, D = q.shape
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full((B, h, L), float("-inf"), dtype=torch.float32, device=q.device)
     kv = torch.cat([k, v], dim=-1).contiguous()  # [B hkv L 2D]: one message per hop
     for t in range(ring.size):
         pending = ring.start(kv) if t + 1 < ring.size else None
-        src = (ring.rank - t) % ring.size
-        rows, keys = _step_slices(t, src, ring.rank, L, mask.causal)
-        step_mask = _block_mask(mask, ring, src, rows, keys)
-        if _sees_any(step_mask):  # a block the window hides would merge as an empty share: skip it
+        _, rows, keys, step_mask, seen = _step(t, mask, ring, L, steps)
+        if seen:  # a block the window hides would merge as an empty share: skip it
             o_b, l_b = blocks.block_forward(q[:, :, rows], kv[:, :, keys, :D], kv[:, :, keys, D:], scale, step_mask)
             blocks.merge(out, lse, rows, o_b, l_b)
         if pending is not None:
@@ -139,7 +152,8 @@ def _ring_forward(q, k, v, scale, mask: BlockMask, ring: _Ring):
     return out, lse
 
 
-def _ring_backward(q, k, v, out, lse, dout, dlse, scale, mask: BlockMask, ring: _Ring):
+def _ring_backward(q, k, v, out, lse, dout, dlse, scale, mask: BlockMask, ring: _Ring,
+                   steps: Optional[dict] = None):
     B, h, L, D = q.shape
     # [B h L]: softmax backward's row term of the merged output. A gradient reaching the log-sum-exp itself (the
     # sinks use it) adds dlse * p to each logit's gradient, which is the same as lowering that term by dlse
@@ -154,11 +168,8 @@ def _ring_backward(q, k, v, out, lse, dout, dlse, scale, mask: BlockMask, ring: 
     pending_dkv = None
     for t in range(ring.size):
         pending_kv = ring.start(kv) if t + 1 < ring.size else None
-        src = (ring.rank - t) % ring.size
-        rows, keys = _step_slices(t, src, ring.rank, L, mask.causal)
-        step_mask = _block_mask(mask, ring, src, rows, keys)
-        seen = _sees_any(step_mask)  # a block the window hides has zero gradients: skip it, pass dK|dV on as is
-        if seen:
+        _, rows, keys, step_mask, seen = _step(t, mask, ring, L, steps)
+        if seen:  # a block the window hides has zero gradients: skip it, pass dK|dV on as is
             dq_b, dk_b, dv_b = blocks.block_backward(q[:, :, rows], kv[:, :, keys, :D], kv[:, :, keys, D:],
                                               dout[:, :, rows], lse[:, :, rows], delta[:, :, rows], scale, step_mask,
                                               out=fused_out[:, :, rows])
@@ -194,11 +205,11 @@ def _lowered(out, dout, dlse):
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_BhLD, k_BhLD, v_BhLD, scale, mask, group):
-        ring = _Ring(group)
-        out, lse = _ring_forward(q_BhLD, k_BhLD, v_BhLD, scale, mask, ring)
+        ring, steps = _Ring(group), {}
+        out, lse = _ring_forward(q_BhLD, k_BhLD, v_BhLD, scale, mask, ring, steps)
         out = out.to(q_BhLD.dtype)
         ctx.save_for_backward(q_BhLD, k_BhLD, v_BhLD, out, lse)
-        ctx.scale, ctx.mask, ctx.ring = scale, mask, ring
+        ctx.scale, ctx.mask, ctx.ring, ctx.steps = scale, mask, ring, steps
         ctx.set_materialize_grads(False)  # an unused lse (no sinks) then gets None, not zeros: no output to lower
         return out, lse
 
@@ -207,7 +218,7 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         if dout_BhLD is None:
             dout_BhLD = torch.zeros_like(out)
-        dq, dk, dv = _ring_backward(q, k, v, out, lse, dout_BhLD, dlse_BhL, ctx.scale, ctx.mask, ctx.ring)
+        dq, dk, dv = _ring_backward(q, k, v, out, lse, dout_BhLD, dlse_BhL, ctx.scale, ctx.mask, ctx.ring, ctx.steps)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 

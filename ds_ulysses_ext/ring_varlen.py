@@ -18,7 +18,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import flash_varlen
-from .kernel_check import isolated, relative_error
+from .kernel_check import first_disagreement, fused_shape_ok, isolated
 from .ring_blocks import BlockMask, _expand, _fused_flag, _torch_block_backward, _torch_block_forward, merge
 
 log = logging.getLogger(__name__)
@@ -78,7 +78,8 @@ def varlen_block(q, mask: BlockMask) -> Optional[_VarlenBlock]:
     at most VARLEN_PARTS document parts per batch row, or no varlen kernel here)."""
     if mask.doc is None or mask.window is not None or not _varlen_usable(q):
         return None
-    return _varlen_plan(mask, VARLEN_PARTS * mask.doc.shape[0])
+    parts_above = VARLEN_PARTS * mask.doc.shape[0]
+    return mask.planned(("varlen", parts_above), lambda: _varlen_plan(mask, parts_above))
 
 
 def _varlen_plan(mask: BlockMask, parts_above: int) -> Optional[_VarlenBlock]:
@@ -176,7 +177,7 @@ def window_block(q, mask: BlockMask) -> Optional[_WindowBlock]:
     window, documents too, or no varlen kernel here)."""
     if mask.window is None or mask.doc is not None or not mask.causal or not _varlen_usable(q):
         return None
-    return _window_plan(mask)
+    return mask.planned("window", lambda: _window_plan(mask))
 
 
 def _window_plan(mask: BlockMask) -> _WindowBlock:
@@ -199,10 +200,9 @@ def _window_plan(mask: BlockMask) -> _WindowBlock:
 def _varlen_usable(q) -> bool:
     if not q.is_cuda:
         return VARLEN_ON_CPU
-    D = q.shape[-1]
-    if q.dtype not in (torch.bfloat16, torch.float16) or D % 8 or D > 256:
+    if not fused_shape_ok(q):
         return False
-    return flash_varlen.KERNEL is not flash_varlen._AtenFlash or _checked_varlen(q.device, q.dtype, D)
+    return flash_varlen.KERNEL is not flash_varlen._AtenFlash or _checked_varlen(q.device, q.dtype, q.shape[-1])
 
 
 @functools.lru_cache(maxsize=None)
@@ -244,12 +244,11 @@ def _check_varlen(device, dtype, D: int) -> bool:
         ref_grads = _torch_block_backward(q, k, v, dout, merged, delta, D ** -0.5, mask)
         seen = ~torch.isinf(ref_lse)
         pairs = [("out", out, ref_out), ("lse", lse.masked_fill(~seen, 0), ref_lse.masked_fill(~seen, 0))]
-        for name, got, ref in pairs + list(zip(("dq", "dk", "dv"), grads, ref_grads)):
-            err = relative_error(name, got, ref)
-            if not err < 2e-2:
-                raise RuntimeError(f"ring attention: the varlen block kernel disagrees with the exact torch "
-                                   f"block kernel on {device} in {dtype} ({name}: error {err:.2e}, window="
-                                   f"{mask.window}); set parallelism.ring=1 or report this")
+        bad = first_disagreement(pairs + list(zip(("dq", "dk", "dv"), grads, ref_grads)))
+        if bad:
+            raise RuntimeError(f"ring attention: the varlen block kernel disagrees with the exact torch block kernel "
+                               f"on {device} in {dtype} ({bad[0]}: error {bad[1]:.2e}, window={mask.window}); set "
+                               "parallelism.ring=1 or report this")
         if not torch.equal(torch.isinf(lse), ~seen):
             raise RuntimeError("ring attention: the varlen block kernel marks other rows empty than the torch "
                                "kernel does; set parallelism.ring=1 or report this")

@@ -125,10 +125,11 @@ def ring_rank(q, k, v, dout, R, r, window=None, keep=False, prepared=None):
     """ring.py's forward + backward of ring rank r: (out, dq, dk, dv, sent accumulators)."""
     (qr, kr, vr, dr), mask, shares, _ = prepared or rank_inputs(q, k, v, dout, R, r, window)
     scale = q.shape[-1] ** -0.5
-    out, lse = ring_mod._ring_forward(qr, kr, vr, scale, mask, OneGpuRing(r, R, shares, False))
+    steps = {}  # as _RingAttention keeps the step masks (and their kernel plans) from forward to backward
+    out, lse = ring_mod._ring_forward(qr, kr, vr, scale, mask, OneGpuRing(r, R, shares, False), steps)
     out = out.to(q.dtype)  # as _RingAttention.forward keeps it
     bwd = OneGpuRing(r, R, shares, True, keep)
-    dq, dk, dv = ring_mod._ring_backward(qr, kr, vr, out, lse, dr, None, scale, mask, bwd)
+    dq, dk, dv = ring_mod._ring_backward(qr, kr, vr, out, lse, dr, None, scale, mask, bwd, steps)
     return out, dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype), bwd.sent
 
 

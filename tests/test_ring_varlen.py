@@ -109,3 +109,21 @@ def test_the_varlen_first_use_check_covers_a_window_longer_than_a_key_run(monkey
     monkeypatch.setattr(varlen_mod, "_max_k", lambda Lk, left, right: Lk)
     with pytest.raises(RuntimeError, match="disagrees with the exact torch block kernel"):
         varlen_mod._check_varlen(cpu, torch.float32, 16)
+
+
+def _count_plans(rank, world, ring):
+    # the ring keeps each step's mask from the forward for the backward, so a block's varlen plan (its host copies)
+    # is built once per step, not once in each direction
+    import ds_ulysses_ext.flash_varlen as flash_varlen
+    from test_flash_varlen import DenseStandIn
+    flash_varlen.KERNEL = DenseStandIn
+    varlen_mod.VARLEN_ON_CPU, varlen_mod.VARLEN_PARTS = True, 0
+    built, real = [], varlen_mod._varlen_plan
+    varlen_mod._varlen_plan = lambda *a: built.append(1) or real(*a)
+    _check_masked(rank, world, ring, None, False)
+    assert len(built) == ring, built
+
+
+@pytest.mark.parametrize("world,ring", [(2, 2), (4, 2)])
+def test_a_blocks_varlen_plan_is_built_once_for_forward_and_backward(world, ring):
+    run_ranks(_count_plans, world, ring)
