@@ -3,6 +3,8 @@
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+from configs.errors import require
+
 DATA_SOURCES = ("synthetic", "jsonl", "demo", "passkey")
 PASSKEY_KEYS = ("digits", "letters")
 PASSKEY_FILLERS = ("corpus", "repeat")
@@ -25,7 +27,7 @@ class PasskeyConfig:
     num_needles: int = 1  # keys asked for (same name, answered in order of appearance)
     num_distractors: int = 0  # keys of other names, not asked for (RULER's multi-key needle task)
     filler: str = "corpus"  # corpus: sentences of the shipped corpus; repeat: the classic "The grass is green..."
-    # the held-out retrieval grid scored every trainer.eval_every steps (metric retrieval_acc, engine/retrieval.py)
+    # the held-out retrieval grid scored every trainer.eval_every steps (metric retrieval_acc, engine/run/retrieval.py)
     eval_lengths: List[int] = field(default_factory=list)  # [] = the largest of lengths (or data.seq_len)
     eval_depths: List[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
     eval_samples_per_cell: int = 4
@@ -43,7 +45,7 @@ class DataConfig:
     masked_fraction: float = 0.25  # synthetic: fraction of labels set to -100, so masking is exercised
     num_samples: int = 4096  # synthetic: dataset size
     # the last N samples of the dataset (after truncation/dropping) are held out of training and scored every
-    # trainer.eval_every steps (engine/evaluate.py); 0 = no held-out set
+    # trainer.eval_every steps (engine/run/evaluate.py); 0 = no held-out set
     eval_samples: int = 0
     # source=jsonl: a JSONL file or folder of validation samples (format, tokenizer and seq_len as for data.path),
     # all of them scored every trainer.eval_every steps; instead of data.eval_samples
@@ -59,37 +61,55 @@ class DataConfig:
     passkey: PasskeyConfig = field(default_factory=PasskeyConfig)  # source=passkey only
 
 
+def check_data(data: DataConfig) -> None:
+    if data.source == "jsonl":
+        require(bool(data.path), "data.source=jsonl needs data.path; set data.path=<.jsonl file or folder>")
+        require(
+            bool(data.tokenizer_path),
+            "data.source=jsonl needs data.tokenizer_path; set data.tokenizer_path=<local dir or hub id>",
+        )
+    require(
+        data.padding_side == "right",
+        f"data.padding_side={data.padding_side}: left padding is not supported under cp: the boundary-token "
+        "label shift assumes right padding; set data.padding_side=right",
+    )
+    require(data.seq_len >= 1, f"data.seq_len={data.seq_len} must be >= 1")
+    require(
+        0.0 <= data.masked_fraction < 1.0,
+        f"data.masked_fraction={data.masked_fraction} must be in [0, 1) (1 would leave no token to train on); "
+        "set e.g. data.masked_fraction=0.25",
+    )
+    require(data.num_samples >= 1, f"data.num_samples={data.num_samples} must be >= 1")
+    if data.source == "passkey":
+        check_passkey(data)
+
+
 def check_passkey(data: DataConfig) -> None:
-    """Refuse a passkey task that cannot be built (configs.validate calls this before any model is loaded)."""
-    from configs.errors import ConfigError
-
+    """Refuse a passkey task that cannot be built (check_data calls this before any model is loaded)."""
     p = data.passkey
-
-    def need(ok: bool, message: str) -> None:
-        if not ok:
-            raise ConfigError(message)
-
     for field_name in ("lengths", "eval_lengths"):
         for length in getattr(p, field_name):
-            need(1 <= length <= data.seq_len,
-                 f"data.passkey.{field_name} holds {length}, outside 1..data.seq_len={data.seq_len}; every sample "
-                 f"is padded to data.seq_len: set data.seq_len={max(getattr(p, field_name))} or shorten "
-                 f"data.passkey.{field_name}")
-    need(0.0 <= p.depth_min <= p.depth_max <= 1.0,
-         f"data.passkey.depth_min={p.depth_min} and depth_max={p.depth_max} must satisfy 0 <= min <= max <= 1; "
-         "e.g. data.passkey.depth_min=0.0 data.passkey.depth_max=1.0")
-    need(p.key in PASSKEY_KEYS, f"data.passkey.key={p.key} is not one of {PASSKEY_KEYS}; set data.passkey.key=digits")
-    need(p.filler in PASSKEY_FILLERS,
-         f"data.passkey.filler={p.filler} is not one of {PASSKEY_FILLERS}; set data.passkey.filler=corpus")
-    need(p.key_length >= 1, f"data.passkey.key_length={p.key_length} must be >= 1; e.g. data.passkey.key_length=5")
-    need(p.num_needles >= 1, f"data.passkey.num_needles={p.num_needles} must be >= 1")
-    need(0 <= p.num_distractors <= 11,
-         f"data.passkey.num_distractors={p.num_distractors} must be in 0..11 (one name each, 12 names); "
-         "set e.g. data.passkey.num_distractors=3")
-    need(len(p.eval_depths) > 0,
-         "data.passkey.eval_depths is empty: the retrieval grid needs at least one depth; "
-         "set e.g. data.passkey.eval_depths=[0.0,0.5,1.0]")
-    need(all(0.0 <= d <= 1.0 for d in p.eval_depths),
-         f"data.passkey.eval_depths={list(p.eval_depths)} must lie in [0, 1]; e.g. data.passkey.eval_depths=[0.0,0.5,1.0]")
-    need(p.eval_samples_per_cell >= 1,
-         f"data.passkey.eval_samples_per_cell={p.eval_samples_per_cell} must be >= 1")
+            require(1 <= length <= data.seq_len,
+                    f"data.passkey.{field_name} holds {length}, outside 1..data.seq_len={data.seq_len}; every sample "
+                    f"is padded to data.seq_len: set data.seq_len={max(getattr(p, field_name))} or shorten "
+                    f"data.passkey.{field_name}")
+    require(0.0 <= p.depth_min <= p.depth_max <= 1.0,
+            f"data.passkey.depth_min={p.depth_min} and depth_max={p.depth_max} must satisfy 0 <= min <= max <= 1; "
+            "e.g. data.passkey.depth_min=0.0 data.passkey.depth_max=1.0")
+    require(p.key in PASSKEY_KEYS,
+            f"data.passkey.key={p.key} is not one of {PASSKEY_KEYS}; set data.passkey.key=digits")
+    require(p.filler in PASSKEY_FILLERS,
+            f"data.passkey.filler={p.filler} is not one of {PASSKEY_FILLERS}; set data.passkey.filler=corpus")
+    require(p.key_length >= 1, f"data.passkey.key_length={p.key_length} must be >= 1; e.g. data.passkey.key_length=5")
+    require(p.num_needles >= 1, f"data.passkey.num_needles={p.num_needles} must be >= 1")
+    require(0 <= p.num_distractors <= 11,
+            f"data.passkey.num_distractors={p.num_distractors} must be in 0..11 (one name each, 12 names); "
+            "set e.g. data.passkey.num_distractors=3")
+    require(len(p.eval_depths) > 0,
+            "data.passkey.eval_depths is empty: the retrieval grid needs at least one depth; "
+            "set e.g. data.passkey.eval_depths=[0.0,0.5,1.0]")
+    require(all(0.0 <= d <= 1.0 for d in p.eval_depths),
+            f"data.passkey.eval_depths={list(p.eval_depths)} must lie in [0, 1]; "
+            "e.g. data.passkey.eval_depths=[0.0,0.5,1.0]")
+    require(p.eval_samples_per_cell >= 1,
+            f"data.passkey.eval_samples_per_cell={p.eval_samples_per_cell} must be >= 1")

@@ -4,7 +4,12 @@
 """
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
+
+from configs.errors import require
+
+if TYPE_CHECKING:  # configs.train imports this module
+    from configs.train import TrainConfig
 
 WANDB_MODES = ("disabled", "offline", "online")
 
@@ -26,3 +31,10 @@ class LoggingConfig:
     phase_times: bool = False  # time forward / backward / optimizer per step (adds GPU syncs); for breakdowns
     profile_step: int = 0  # profile this step (1-based) with torch.profiler into run.out_dir; 0 = never
     peak_tflops: float = 0.0  # per-GPU bf16 dense peak used for MFU; 0 = detect from the GPU name
+
+
+def check_logging(cfg: "TrainConfig") -> None:
+    # after check_trainer, so a wrong trainer.max_steps is blamed on itself, not on this key
+    ps, steps = cfg.logging.profile_step, cfg.trainer.max_steps
+    require(0 <= ps <= steps, f"logging.profile_step={ps} must be a step of this run, 1..trainer.max_steps={steps} "
+            "(or 0 for no profiling)")

@@ -1,6 +1,9 @@
 """MemoryConfig: which activation-memory policies to apply (recompute, offload, tiling)."""
 
 from dataclasses import dataclass
+from typing import Any, Mapping
+
+from configs.errors import require
 
 RECOMPUTE_POLICIES = ("none", "full", "block", "selective", "budget", "except_attention")
 RECOMPUTE_METHODS = ("uniform", "block")
@@ -33,3 +36,64 @@ class MemoryConfig:
     tiled_mlp: bool = False  # run the MLP over sequence tiles so its intermediate never exists whole
     mlp_tile_tokens: int = 8192  # tiled_mlp: tokens per tile
     expandable_segments: bool = True  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; less fragmentation
+
+
+def _layer_count_in_range(count: int, lowest: int, arch: Mapping[str, Any]) -> tuple[bool, str]:
+    """Whether lowest <= count <= the model's layers (when known), and the upper bound for a message."""
+    num_layers = arch.get("num_hidden_layers")
+    upper = f" and <= model.arch.num_hidden_layers={num_layers}" if num_layers else ""
+    return count >= lowest and (not num_layers or count <= num_layers), upper
+
+
+def check_memory(mem: MemoryConfig, arch: Mapping[str, Any]) -> None:
+    if mem.recompute == "block":
+        ok, upper = _layer_count_in_range(mem.recompute_num_layers, 1, arch)
+        require(
+            ok,
+            f"memory.recompute=block needs memory.recompute_num_layers >= 1{upper}, got "
+            f"{mem.recompute_num_layers}; set memory.recompute_num_layers (or use memory=full_recompute)",
+        )
+    require(
+        mem.budget_gib == 0 or mem.recompute in ("budget", "except_attention"),
+        f"memory.budget_gib={mem.budget_gib} only applies to memory.recompute=budget or except_attention, got "
+        f"{mem.recompute!r}; set memory.budget_gib=0 or choose one of those",
+    )
+    require(
+        not (mem.recompute == "except_attention" and mem.budget_gib > 0)
+        or (mem.probe_none_gib > 0 and mem.recompute_num_layers == 0),
+        "memory.recompute=except_attention with memory.budget_gib chooses recompute_num_layers from the probe: "
+        "set memory.probe_none_gib and memory.probe_full_gib (peak_mem_gib of a step with recompute_num_layers=0 "
+        "and with all layers) and leave memory.recompute_num_layers=0",
+    )
+    if mem.recompute == "except_attention":
+        ok, upper = _layer_count_in_range(mem.recompute_num_layers, 0, arch)
+        require(
+            ok,
+            f"memory.recompute=except_attention takes memory.recompute_num_layers >= 0{upper} (layers "
+            f"recomputed whole, attention included), got {mem.recompute_num_layers}",
+        )
+    require(
+        not mem.selective_kept or mem.recompute in ("block", "budget"),
+        f"memory.selective_kept=true only applies to memory.recompute=block or budget, got "
+        f"{mem.recompute!r}; use memory.recompute=selective for selective recompute alone",
+    )
+    require(
+        mem.recompute != "budget" or mem.budget_gib > 0,
+        f"memory.recompute=budget needs memory.budget_gib > 0, got {mem.budget_gib}; "
+        "set memory.budget_gib=<target peak GiB>",
+    )
+    require(
+        (mem.probe_none_gib > 0) == (mem.probe_full_gib > 0) and mem.probe_none_gib >= mem.probe_full_gib,
+        f"memory.probe_none_gib={mem.probe_none_gib} and memory.probe_full_gib={mem.probe_full_gib}: give both "
+        "(peak_mem_gib of a memory=none and a memory=full_recompute step), none >= full, or neither",
+    )
+    require(
+        not mem.tiled_mlp or mem.mlp_tile_tokens >= 1,
+        f"memory.tiled_mlp=true needs memory.mlp_tile_tokens >= 1, got {mem.mlp_tile_tokens}",
+    )
+    require(
+        mem.offload_max_gib >= 0 and (mem.offload_max_gib == 0 or mem.offload_activations),
+        f"memory.offload_max_gib={mem.offload_max_gib} must be >= 0 and only caps memory.offload_activations=true "
+        f"(got offload_activations={mem.offload_activations}); set memory.offload_activations=true or "
+        "memory.offload_max_gib=0",
+    )

@@ -1,15 +1,25 @@
 """ModelConfig: which HF causal LM to train and how to build it."""
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional
 
+from configs.errors import ConfigError, divisors, fmt, require
 from ds_ulysses_ext.models import SUPPORTED
+from ds_ulysses_ext.rope import CP_ROPE_TYPES, LENGTH_DEPENDENT_TYPES, depends_on_length, unchecked_rope_types
+from ds_ulysses_ext.attention.zigzag import padded_seq_len
+
+if TYPE_CHECKING:  # configs.train imports this module
+    from configs.train import TrainConfig
 
 # HF `model_type`s the library can split under cp: its registry, so validate and the model build agree.
 SUPPORTED_FAMILIES = tuple(SUPPORTED)
 MOE_FAMILIES = tuple(f.model_type for f in SUPPORTED.values() if f.moe)
 MODEL_SOURCES = ("config", "pretrained")
 ATTN_BACKENDS = ("auto", "sdpa", "flash_attn", "fa4")
+LATENT_ALIGN = 512  # a LatentMoE latent size must be a multiple of this
+_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")  # qwen3_moe / gpt_oss, mixtral / deepseek
+_LATENT_KEYS = ("latent_size", "moe_latent_size")
 
 
 @dataclass
@@ -24,3 +34,125 @@ class ModelConfig:
     # ep before anything is downloaded. Keys left out are checked later, at model load.
     arch: Dict[str, Any] = field(default_factory=dict)
     attn_backend: str = "auto"  # local attention kernel after the all-to-all: auto | sdpa | flash_attn | fa4
+
+
+def check_model(model: ModelConfig) -> None:
+    require(
+        model.source != "pretrained" or bool(model.path),
+        "model.source=pretrained needs model.path; set model.path=<local dir or hub id>, "
+        "or use model.source=config for a random init",
+    )
+    if model.source == "pretrained" and model.path:
+        # a hub id is "name" or "namespace/name"; anything else can only be a local folder, so it must exist
+        # (else transformers fails after start-up with a message about repo ids)
+        path = str(model.path)
+        local_only = path.startswith((".", "/", "~")) or path.count("/") > 1
+        require(
+            not local_only or Path(path).expanduser().is_dir(),
+            f"model.path={path} is not a folder here (and cannot be a hub id, which is name or namespace/name); "
+            "fix the path, or run the run that writes it first (e.g. the previous stage of a curriculum)",
+        )
+    # An empty arch would silently build the HF default config (a 7B Llama for family=llama).
+    require(
+        model.source != "config" or bool(model.arch),
+        "model.source=config needs model.arch (the HF config kwargs of the random-init model); "
+        "use a preset such as model=tiny, or set model.arch.hidden_size=... etc.",
+    )
+    for key in _LATENT_KEYS:
+        if key in model.arch:
+            check_latent_size(key, model.arch[key])
+    check_attention_keys(model.arch)
+
+
+def check_attention_keys(arch: Mapping[str, Any]) -> None:
+    """What ds_ulysses_ext/models.py check_attention_config refuses at model load, here before it when arch says it
+    (the engine runs the context-parallel attention at every cp, 1 included)."""
+    dropout = arch.get("attention_dropout", 0) or 0
+    require(
+        not dropout,
+        f"model.arch.attention_dropout={dropout}: the context-parallel attention applies no dropout, and a dropout "
+        "mask drawn on each rank's share could never be checked against the unsplit model; set "
+        "model.arch.attention_dropout=0",
+    )
+    require(
+        "is_causal" not in arch,
+        f"model.arch.is_causal={arch.get('is_causal')}: transformers reads it for its own masks only (false: "
+        "bidirectional), and the context-parallel attention is causal only and refuses the is_causal it would be "
+        "handed; remove model.arch.is_causal (~model.arch.is_causal)",
+    )
+
+
+def check_latent_size(key: str, size: int) -> None:
+    if size > 0 and size % LATENT_ALIGN == 0:
+        return
+    lower = size // LATENT_ALIGN * LATENT_ALIGN
+    nearest = [n for n in (lower, lower + LATENT_ALIGN) if n > 0]
+    raise ConfigError(
+        f"model.arch.{key}={size} is not a multiple of {LATENT_ALIGN}, which LatentMoE requires; "
+        f"use model.arch.{key}={' or '.join(str(n) for n in nearest)}"
+    )
+
+
+def check_positions(cfg: "TrainConfig", ring: int) -> None:
+    # positions past what the model was built for silently extrapolate RoPE; known only when arch says it
+    limit = cfg.model.arch.get("max_position_embeddings")
+    padded = padded_seq_len(cfg.data.seq_len, cfg.parallelism.cp, ring)
+    require(
+        not limit or padded <= limit,
+        f"data.seq_len={cfg.data.seq_len} (padded to {padded} for cp) exceeds model.arch.max_position_embeddings="
+        f"{limit}; shorten data.seq_len or raise model.arch.max_position_embeddings (RoPE will extrapolate)",
+    )
+
+
+def _rope_key(arch: Mapping[str, Any]) -> str:
+    # HF reads rope_scaling first when both are given (convert_rope_params_to_dict)
+    return "rope_scaling" if arch.get("rope_scaling") else "rope_parameters"
+
+
+def check_rope(cfg: "TrainConfig", ring: int) -> None:
+    """RoPE types under cp (ds_ulysses_ext/rope.py); known only when model.arch says the rope type."""
+    cp, arch = cfg.parallelism.cp, cfg.model.arch
+    if cp == 1:
+        return
+    key = _rope_key(arch)
+    params = arch.get(key)
+    unknown = unchecked_rope_types(params)
+    require(
+        not unknown,
+        f"model.arch.{key}.rope_type={unknown[0] if unknown else ''} is not one of the RoPE types checked under cp "
+        f"{fmt(CP_ROPE_TYPES)}; set model.arch.{key}.rope_type to one of them or run with parallelism.cp=1",
+    )
+    seq_len, padded = cfg.data.seq_len, padded_seq_len(cfg.data.seq_len, cp, ring)
+    multiple = padded_seq_len(1, cp, ring)
+    lower = seq_len // multiple * multiple
+    require(
+        not depends_on_length(params) or padded == seq_len,
+        f"data.seq_len={seq_len} is not a multiple of "
+        + (f"parallelism.cp={cp}" if ring == 1 else f"{multiple} (2 x parallelism.cp={cp} with parallelism.ring={ring})")
+        + f", and model.arch.{key} selects a RoPE "
+        f"type that reads the sequence length ({fmt(LENGTH_DEPENDENT_TYPES)}): the {padded - seq_len} pad tokens "
+        f"cp adds would change its frequencies from the parallelism.cp=1 run's; set data.seq_len="
+        + " or ".join(str(n) for n in (lower, padded) if n > 0),
+    )
+
+
+def check_experts(model: ModelConfig, ep: int, world_size: int) -> None:
+    require(
+        world_size % ep == 0,
+        f"parallelism.ep={ep} does not divide the world size {world_size}; "
+        f"choose parallelism.ep in {fmt(divisors(world_size))}",
+    )
+    key = next((k for k in _EXPERT_KEYS if k in model.arch), None)
+    if key is None:
+        require(
+            ep == 1 or model.family in MOE_FAMILIES,
+            f"parallelism.ep={ep} but model.family={model.family} has no experts; set parallelism.ep=1",
+        )
+        return  # an MoE preset without an expert count: checked at model load
+    num_experts = model.arch[key]
+    valid = [e for e in divisors(num_experts) if world_size % e == 0]
+    require(
+        num_experts % ep == 0,
+        f"parallelism.ep={ep} does not divide model.arch.{key}={num_experts}; "
+        f"choose parallelism.ep in {fmt(valid)} (world size {world_size})",
+    )

@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass
 
+from configs.errors import one_of, require
+
 MOE_DISPATCHERS = ("auto", "alltoall", "deepep")
 MOE_BALANCES = ("aux", "bias", "none")
 MOE_RECOMPUTE = ("none", "act", "experts")
@@ -28,17 +30,12 @@ EP_FAMILIES = ("qwen3_moe", "latent_moe", "gpt_oss")
 
 
 def check_moe(cfg, world_size: int) -> None:
-    """The moe.* rules and EP's rules that need more than the expert count (validate.py checks that)."""
-    from configs.errors import ConfigError
-
-    def require(ok: bool, message: str) -> None:
-        if not ok:
-            raise ConfigError(message)
-
+    """The moe.* rules and EP's rules that need more than the expert count (configs/model.py check_experts checks
+    that)."""
     moe, ep, family, arch = cfg.moe, cfg.parallelism.ep, cfg.model.family, cfg.model.arch
     for key, value, choices in (("dispatcher", moe.dispatcher, MOE_DISPATCHERS), ("balance", moe.balance, MOE_BALANCES),
                                 ("recompute", moe.recompute, MOE_RECOMPUTE)):
-        require(value in choices, f"moe.{key}={value} is not one of {{{', '.join(choices)}}}; set moe.{key} to one of them")
+        one_of(f"moe.{key}", value, choices)
     require(moe.aux_loss_coef >= 0, f"moe.aux_loss_coef={moe.aux_loss_coef} must be >= 0 (0: the loss is logged only)")
     require(moe.bias_update_rate > 0 or moe.balance != "bias",
             f"moe.balance=bias needs moe.bias_update_rate > 0, got {moe.bias_update_rate}")
@@ -73,7 +70,7 @@ def check_moe(cfg, world_size: int) -> None:
         require(ep in (1, 2, 4, 8), f"moe.dispatcher=deepep with parallelism.ep={ep}: DeepEP's normal mode runs on "
                 "2, 4 or 8 ranks of one node, its low-latency mode here at ep=1; use moe.dispatcher=alltoall or auto")
         if ep == 1:
-            _check_low_latency(cfg, require)
+            _check_low_latency(cfg)
 
 
 def deepep_tokens_per_rank(cfg) -> int:
@@ -85,7 +82,7 @@ def deepep_tokens_per_rank(cfg) -> int:
     return -(-tokens // 4) * 4
 
 
-def _check_low_latency(cfg, require) -> None:
+def _check_low_latency(cfg) -> None:
     # DeepEP's low-latency buffer is sized for decoding batches: refuse here what its kernels cannot take, with the
     # fix, rather than at the first MoE call (ds_ulysses_ext/moe/deepep.py holds the limits)
     from ds_ulysses_ext.errors import UnsupportedError

@@ -4,10 +4,18 @@ dp is not a field: it is derived, dp = world_size // cp (see validate.Plan).
 """
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Mapping
 
-from ds_ulysses_ext.zigzag import auto_ring_size, valid_ring_sizes
+from configs.errors import ConfigError, divisors, fmt, require
+from configs.model import check_experts
+from ds_ulysses_ext.attention.layout import valid_cp_values
+from ds_ulysses_ext.attention.zigzag import auto_ring_size, valid_ring_sizes
+
+if TYPE_CHECKING:  # configs.train imports this module
+    from configs.train import TrainConfig
 
 MASTER_WEIGHTS = ("fp32", "bf16")
+ZERO_STAGES = (2, 3)  # the stages whose gradient reduction over cp is verified exact (docs/design.md)
 
 
 @dataclass
@@ -39,21 +47,81 @@ class DeepSpeedConfig:
     master_weights: str = "fp32"
 
 
+def check_deepspeed(cfg: "TrainConfig") -> None:
+    stage = cfg.deepspeed.zero_stage
+    require(
+        stage in ZERO_STAGES,
+        f"deepspeed.zero_stage={stage} is not supported: exactness under cp is verified for ZeRO-2 and "
+        "ZeRO-3 only; use deepspeed=zero2 or deepspeed=zero3",
+    )
+    require(
+        not cfg.deepspeed.offload_param or stage == 3,
+        f"deepspeed.offload_param=true needs deepspeed.zero_stage=3 (got {stage}: only ZeRO-3 partitions "
+        "parameters); use deepspeed=zero3_offload or set deepspeed.offload_param=false",
+    )
+    # a bf16 master copy of fp32 weights would only round every update the fp32 model receives
+    require(
+        cfg.deepspeed.master_weights == "fp32" or cfg.precision == "bf16",
+        f"deepspeed.master_weights={cfg.deepspeed.master_weights} needs precision=bf16 (got precision="
+        f"{cfg.precision}: the master weights cannot be narrower than the model's); set precision=bf16 or "
+        "deepspeed.master_weights=fp32",
+    )
+
+
+def check_parallelism(cfg: "TrainConfig", world_size: int) -> int:
+    """Check cp/ep/tp against the world and the model shape; return dp."""
+    par = cfg.parallelism
+    require(world_size >= 1, f"world_size={world_size} must be >= 1 (the number of ranks, WORLD_SIZE)")
+    require(par.cp >= 1, f"parallelism.cp={par.cp} must be >= 1; use parallelism.cp=1 to turn cp off")
+    require(par.ep >= 1, f"parallelism.ep={par.ep} must be >= 1; use parallelism.ep=1 to turn ep off")
+    require(
+        par.tp <= 1 or par.cp == 1,
+        f"TP+CP is not supported: parallelism.tp={par.tp} with parallelism.cp={par.cp}; "
+        "set parallelism.tp=1 and split long sequences with parallelism.cp",
+    )
+    require(
+        par.tp == 1,
+        f"parallelism.tp={par.tp}: tensor parallelism is not supported yet; set parallelism.tp=1 "
+        "(use parallelism.cp to split long sequences, ZeRO-3 to shard the weights)",
+    )
+    require(
+        world_size % par.cp == 0,
+        f"parallelism.cp={par.cp} does not divide the world size {world_size}; "
+        f"choose parallelism.cp in {fmt(divisors(world_size))}",
+    )
+    # seq_len need not divide by cp (the batch is padded up to a multiple of cp), but every rank needs a token.
+    require(
+        cfg.data.seq_len >= par.cp,
+        f"data.seq_len={cfg.data.seq_len} is shorter than parallelism.cp={par.cp}; "
+        f"raise data.seq_len to at least {par.cp} or lower parallelism.cp",
+    )
+    if str(par.ring).strip() == "1":  # pure Ulysses asked for; any other ring is checked by resolve_ring
+        check_heads(cfg.model.arch, par.cp, world_size)
+    check_experts(cfg.model, par.ep, world_size)
+    return world_size // par.cp
+
+
+def check_heads(arch: Mapping[str, Any], cp: int, world_size: int) -> None:
+    num_q = arch.get("num_attention_heads")
+    if num_q is None:
+        return  # a pretrained preset without head counts: enable_context_parallel checks at model load
+    num_kv = arch.get("num_key_value_heads", num_q)  # HF's default: one kv head per query head
+    # Ulysses gives each cp rank num_q / cp query heads; kv heads are split too, or replicated when cp > num_kv
+    splits = valid_cp_values(num_q, num_kv)
+    if cp in splits:
+        return
+    valid = [c for c in divisors(world_size) if c in splits]
+    raise ConfigError(
+        f"parallelism.cp={cp} cannot split the heads of model.arch.num_attention_heads={num_q}, "
+        f"model.arch.num_key_value_heads={num_kv}: Ulysses needs num_attention_heads % cp == 0 and "
+        f"num_key_value_heads % cp == 0 or cp % num_key_value_heads == 0; "
+        f"choose parallelism.cp in {fmt(valid)} (world size {world_size}), or add a ring: parallelism.ring=auto"
+    )
+
+
 def resolve_ring(cfg) -> tuple[int, str]:
     """parallelism.ring (auto | N) -> (ring, why); refuses a ring that cp or the heads do not allow. Called by
-    validate(). Packing, sliding windows and sinks run under any ring (ds_ulysses_ext/ring.py)."""
-    from configs.errors import ConfigError
-
-    def require(ok: bool, message: str) -> None:
-        if not ok:
-            raise ConfigError(message)
-
-    def fmt(values) -> str:
-        return "{" + ", ".join(str(v) for v in values) + "}"
-
-    def divisors(n: int) -> list[int]:
-        return [d for d in range(1, n + 1) if n % d == 0]
-
+    validate(). Packing, sliding windows and sinks run under any ring (ds_ulysses_ext/attention/ring.py)."""
     par, arch = cfg.parallelism, cfg.model.arch
     cp, text = par.cp, str(par.ring).strip().lower()
     require(text == "auto" or (text.isdigit() and int(text) >= 1),

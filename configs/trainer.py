@@ -1,6 +1,12 @@
 """TrainerConfig: the optimisation loop (steps, batch, optimizer, schedule, checkpoints)."""
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from configs.errors import ConfigError, one_of, require
+
+if TYPE_CHECKING:  # configs.train imports this module
+    from configs.train import TrainConfig
 
 NONFINITE_POLICIES = ("abort", "skip")
 LR_DECAYS = ("cosine", "linear", "constant")
@@ -27,7 +33,7 @@ class TrainerConfig:
     # and saves nothing after it. skip: DeepSpeed drops the update and the step is logged with "skipped": true.
     # DeepSpeed's ZeRO-3 and fp32 paths judge by the gradient norm; its bf16 ZeRO-2 path needs a scan of every
     # gradient tensor before each step (~1,000 small kernels for a 16-layer model, 24 ms per step at 1B on an
-    # H200), which is turned on for skip only (engine/ds_config.py).
+    # H200), which is turned on for skip only (engine/ds/config.py).
     on_nonfinite: str = "abort"
     # Python GC every N steps on all ranks together: a collection that lands on one rank alone stalls the
     # collectives of all the others. 0 = never collect manually.
@@ -48,7 +54,7 @@ class TrainerConfig:
     # unattended, requeued job keeps going). abort: stop with an error naming the files
     on_corrupt_checkpoint: str = "fallback"
     # a ZeRO-3 checkpoint written by another number of ranks: re-partition it (DeepSpeed's universal checkpoint,
-    # a temporary copy of the fp32 weights and Adam moments) and continue exactly; false: refuse (engine/reshard.py)
+    # a temporary copy of the fp32 weights and Adam moments) and continue exactly; false: refuse (engine/checkpoints/reshard.py)
     reshard_on_resume: bool = True
     # end the run after the first step that ends this many minutes after the start, as the last step would (final
     # eval, checkpoint, HF export): for jobs with a wall-time limit. The lr schedule still runs to max_steps. 0 = off
@@ -58,3 +64,69 @@ class TrainerConfig:
     loss_chunk_size: int = 4096  # tokens per chunk of the chunked logits + loss (full-vocab logits never exist)
     # compute each chunk's gradients in forward instead of recomputing lm_head in backward (ds_ulysses_ext/loss.py)
     fused_loss: bool = True
+
+
+def check_trainer(t: TrainerConfig) -> None:
+    require(t.max_steps >= 1, f"trainer.max_steps={t.max_steps} must be >= 1")
+    require(
+        0 <= t.warmup_steps <= t.max_steps,
+        f"trainer.warmup_steps={t.warmup_steps} must be in [0, trainer.max_steps={t.max_steps}]; "
+        "lower trainer.warmup_steps or raise trainer.max_steps",
+    )
+    require(t.max_minutes >= 0, f"trainer.max_minutes={t.max_minutes} must be >= 0 (0 = no wall-time limit)")
+    require(
+        t.stop_after_steps == 0 or 0 < t.stop_after_steps < t.max_steps,
+        f"trainer.stop_after_steps={t.stop_after_steps} must be 0 (off) or less than "
+        f"trainer.max_steps={t.max_steps}; set trainer.stop_after_steps=0 or below {t.max_steps}",
+    )
+    require(t.micro_batch_size >= 1, f"trainer.micro_batch_size={t.micro_batch_size} must be >= 1")
+    require(t.global_batch_size >= 1, f"trainer.global_batch_size={t.global_batch_size} must be >= 1")
+    require(t.lr > 0, f"trainer.lr={t.lr} must be > 0")
+    require(0.0 <= t.min_lr_ratio <= 1.0, f"trainer.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
+    require(t.grad_clip >= 0, f"trainer.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping)")
+    one_of("trainer.on_nonfinite", t.on_nonfinite, NONFINITE_POLICIES)
+    one_of("trainer.on_corrupt_checkpoint", t.on_corrupt_checkpoint, CORRUPT_CHECKPOINT_POLICIES)
+    one_of("trainer.lr_decay", t.lr_decay, LR_DECAYS)
+    require(t.gc_every >= 0, f"trainer.gc_every={t.gc_every} must be >= 0 (0 = never collect manually)")
+    require(t.eval_every >= 0, f"trainer.eval_every={t.eval_every} must be >= 0 (0 = never evaluate)")
+    require(t.save_every >= 0, f"trainer.save_every={t.save_every} must be >= 0 (0 = only at the end)")
+    require(t.save_every_minutes >= 0,
+            f"trainer.save_every_minutes={t.save_every_minutes} must be >= 0 (0 = no timed checkpoints)")
+    require(t.keep_checkpoints >= 0,
+            f"trainer.keep_checkpoints={t.keep_checkpoints} must be >= 0 (0 = keep every checkpoint)")
+    require(t.loss_chunk_size >= 1, f"trainer.loss_chunk_size={t.loss_chunk_size} must be >= 1")
+
+
+def check_eval(cfg: "TrainConfig") -> None:
+    held, path, every = cfg.data.eval_samples, cfg.data.eval_path, cfg.trainer.eval_every
+    require(held >= 0, f"data.eval_samples={held} must be >= 0 (0 = no held-out set)")
+    require(
+        not (held and path),
+        f"data.eval_samples={held} and data.eval_path={path}: evaluate either on held-out training samples or on a "
+        "validation file, not both; set data.eval_samples=0 or drop data.eval_path",
+    )
+    require(
+        not path or cfg.data.source == "jsonl",
+        f"data.eval_path={path} needs data.source=jsonl (got {cfg.data.source}): the validation file is read like "
+        "data.path, with data.tokenizer_path; use data.eval_samples to hold out part of other sources",
+    )
+    require(
+        (held > 0 or bool(path)) == (every > 0),
+        f"data.eval_samples={held}, data.eval_path={path} and trainer.eval_every={every}: evaluation needs samples "
+        "(data.eval_samples or data.eval_path) and how often to score them (trainer.eval_every), or neither; a "
+        "held-out set that is never scored only takes data from training. Set both, or neither",
+    )
+
+
+def check_batch(t: TrainerConfig, dp: int) -> int:
+    """Return grad_accum = global / (micro * dp), refusing a global batch that does not split evenly."""
+    per_pass = t.micro_batch_size * dp  # samples in one micro-step over all dp ranks
+    if t.global_batch_size % per_pass:
+        lower = t.global_batch_size // per_pass * per_pass
+        nearby = " or ".join(str(n) for n in (lower, lower + per_pass) if n > 0)
+        raise ConfigError(
+            f"trainer.global_batch_size={t.global_batch_size} is not a multiple of "
+            f"trainer.micro_batch_size * dp = {t.micro_batch_size} * {dp} = {per_pass}; "
+            f"use trainer.global_batch_size={nearby} (or change trainer.micro_batch_size or parallelism.cp)"
+        )
+    return t.global_batch_size // per_pass

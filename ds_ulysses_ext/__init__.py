@@ -3,7 +3,7 @@
 Public API (docs/design.md §2): init_topology, ulysses_attention, enable_context_parallel, shard_batch,
 plus the CP loss helpers. Importing this package has no side effects.
 """
-from .attention import ulysses_attention
+from .attention.ulysses import ulysses_attention
 from .batch import IGNORE_INDEX, shard_batch, shift_labels
 from .errors import UnsupportedError
 from .integrate import enable_context_parallel

@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import torch
 
+from .attention.layout import chunk_bounds
+from .attention.masks import CU_SEQLENS_KEY, cu_seqlens_of, document_starts
+from .attention.zigzag import padded_seq_len, rank_positions
 from .errors import UnsupportedError
 from .integrate import MULTIMODAL_KEYS
-from .layout import chunk_bounds
-from .masks import CU_SEQLENS_KEY, cu_seqlens_of, document_starts
 from .topology import Topology
-from .zigzag import padded_seq_len, rank_positions
 
 IGNORE_INDEX = -100
 KNOWN_KEYS = {"input_ids", "labels", "attention_mask", "position_ids"}

@@ -1,6 +1,6 @@
 """The only place the library patches transformers: CP attention registration and model guards.
 
-(DeepSpeed's patches are the engine's: engine/ds_patches.py.)
+(DeepSpeed's patches are the engine's: engine/ds/patches.py.)
 
 `enable_context_parallel(model, topology)`:
 - validates the model family and head counts for this cp (models.py);
@@ -27,14 +27,14 @@ from typing import Optional
 
 import torch
 
-from .attention import ulysses_attention
+from .attention.masks import CU_SEQLENS_KEY, positions_in_documents
+from .attention.ring import ring_attention
+from .attention.ulysses import ulysses_attention
+from .attention.zigzag import rank_positions
 from .errors import UnsupportedError
-from .masks import CU_SEQLENS_KEY, positions_in_documents
 from .models import check_model_config
-from .ring import ring_attention
 from .rope import check_rope, share_global_length
 from .topology import Topology
-from .zigzag import rank_positions
 
 log = logging.getLogger(__name__)
 

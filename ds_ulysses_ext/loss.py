@@ -5,7 +5,7 @@ Legend: B batch, s local sequence, H hidden, V vocab, T = B * s local tokens, C 
 docs/design.md §1.1: the objective is (sum of token cross-entropies over the global batch) / (non-masked tokens
 in the global batch). Each rank contributes its local sum divided by that global count; the shares of
 all ranks add up to the objective. How the engine then combines per-rank gradients is the engine's
-business (engine/grad_reduction.py multiplies the share by the factor the reduction path needs).
+business (engine/ds/grad_reduction.py multiplies the share by the factor the reduction path needs).
 
 Logits are never all-gathered and never exist for the whole local sequence: lm_head + fp32
 cross-entropy run on chunks of C tokens, so at most one [C, V] fp32 block is alive. Two ways:

@@ -21,8 +21,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from .attention.layout import kv_replication
 from .errors import UnsupportedError
-from .layout import kv_replication
 from .rope import check_rope
 
 log = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ to its long factors past original_max_position_embeddings). Under CP that tensor
 rank would rotate with frequencies of its own, none equal to the unsplit model's. `share_global_length` hands
 the rotary module the CP group's largest position, so every rank updates its frequencies from the global
 length, as the unsplit model does on the same (padded) batch. The pads that shard_batch adds to reach a
-multiple of cp count in that length, as right pads do for HF; configs/validate.py therefore asks for a
+multiple of cp count in that length, as right pads do for HF; configs/model.py check_rope therefore asks for a
 data.seq_len that cp divides when the rope type depends on the length.
 
 Any other rope type (a user's entry in ROPE_INIT_FUNCTIONS, HF's `axial` label) is refused under cp > 1:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from ds_ulysses_ext import init_topology, ulysses_attention  # noqa: E402
-from ds_ulysses_ext.backends import local_attention  # noqa: E402
+from ds_ulysses_ext.attention.backends import local_attention  # noqa: E402
 
 
 def timed(fn, device):

@@ -8,7 +8,7 @@
 Shape: B=1, Hq=32, Hkv=8, head dim 64 (Llama-3.2-1B attention), causal, forward + backward (dout given), bf16 on
 CUDA, fp32 on CPU. Every variant runs on the same tensors, interleaved (A B C A B C ...) so clock and thermal drift
 hit all alike; each reported time is the median of its repetitions, timed with torch.cuda.synchronize around the
-call. Anchor in every row: ONE full-sequence causal SDPA call (ds_ulysses_ext.backends.sdpa_attention, cuDNN on
+call. Anchor in every row: ONE full-sequence causal SDPA call (ds_ulysses_ext.attention.backends.sdpa_attention, cuDNN on
 Hopper), forward + backward, the same call. One JSON line per result, prefixed RESULT, also appended to --out.
 
 Parts:
@@ -50,14 +50,14 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import ds_ulysses_ext.ring as ring_mod  # noqa: E402
-import ds_ulysses_ext.ring_blocks as blocks_mod  # noqa: E402
-import ds_ulysses_ext.ring_varlen as varlen_mod  # noqa: E402
-from ds_ulysses_ext import flash_varlen  # noqa: E402
-from ds_ulysses_ext.backends import local_attention, sdpa_attention  # noqa: E402
-from ds_ulysses_ext.masks import cu_seqlens_of as masks_cu_seqlens, masked_attention  # noqa: E402
-from ds_ulysses_ext.ring import share_positions  # noqa: E402
-from ds_ulysses_ext.ring_blocks import BlockMask  # noqa: E402
+import ds_ulysses_ext.attention.ring as ring_mod  # noqa: E402
+import ds_ulysses_ext.attention.ring_blocks as blocks_mod  # noqa: E402
+import ds_ulysses_ext.attention.ring_varlen as varlen_mod  # noqa: E402
+from ds_ulysses_ext.attention import flash_varlen  # noqa: E402
+from ds_ulysses_ext.attention.backends import local_attention, sdpa_attention  # noqa: E402
+from ds_ulysses_ext.attention.masks import cu_seqlens_of as masks_cu_seqlens, masked_attention  # noqa: E402
+from ds_ulysses_ext.attention.ring import share_positions  # noqa: E402
+from ds_ulysses_ext.attention.ring_blocks import BlockMask  # noqa: E402
 
 
 def sync(device):
@@ -406,7 +406,7 @@ def part_documents(args, leaves, anchor, base):
 def part_ring_documents(args, q, k, v, dout, base):
     """ring.py at rank 0 with a row of packed chat-like documents (as in part documents): one varlen call per block
     (ring_varlen._VarlenBlock) against one fused call per document part, and against the ring without documents."""
-    from ds_ulysses_ext.masks import document_ids
+    from ds_ulysses_ext.attention.masks import document_ids
     S = q.shape[2]
     lengths = chat_lengths(S)
     cu = masks_cu_seqlens(torch.cat([torch.arange(n, device=q.device) for n in lengths])[None])
@@ -500,7 +500,7 @@ def main():
     args.sink_windows = [int(x) for x in args.sink_windows.split(",") if x]
     if args.query_block:
         blocks_mod.QUERY_BLOCK = args.query_block
-    import ds_ulysses_ext.masks as masks_mod
+    import ds_ulysses_ext.attention.masks as masks_mod
     if args.mask_block:
         masks_mod.QUERY_BLOCK = args.mask_block
     args.mask_block = masks_mod.QUERY_BLOCK

@@ -8,7 +8,7 @@
 #   train_short  Llama-3.2-1B shape, 16k/32k/64k: ours (full recompute, ZeRO-3) and stock HF (anchor 'hf');
 #                $EXTRA as for train_long (e.g. deepspeed.master_weights=bf16: the anchor's bf16 optimizer states);
 #                $SHORT_POINTS replaces the S:memory list
-#   profile_16k  one 16k step of ours under torch.profiler (logging.profile_step, engine/profile.py; $EXTRA as
+#   profile_16k  one 16k step of ours under torch.profiler (logging.profile_step, engine/observe/profile.py; $EXTRA as
 #                above): the op table by GPU time is kept as $OUT/0_profile_16k.txt, and the per-phase breakdown
 #                of the trace (scripts/trace_phases.py: host ops, GPU busy and idle time) printed and kept as
 #                $OUT/0_phases_16k.txt

@@ -27,7 +27,7 @@ rows alike) over step_time_s, median of the steps after the first. Row tokens/s 
 ALST with packing (DeepSpeed ALST packs only through flash-attn varlen) is reported as not run when flash_attn
 does not import.
 
-MFU: engine/train.py counts each row's attention as one causal sequence of the row's length, which for packed
+MFU: engine/run/train.py counts each row's attention as one causal sequence of the row's length, which for packed
 rows is far more than is computed (a packed 128k step would show an impossible MFU and stop the run), so these runs
 set logging.peak_tflops=1e9 (MFU ~0, not used here) and the engine's tflops_per_gpu is not reported.
 Results: RESULT lines, and $OUT/pack_sft.jsonl; each run's folder under $OUT/pack_sft/.

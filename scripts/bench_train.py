@@ -10,7 +10,7 @@
 Each point S:MEMORY runs scripts/train.py in its own process group (fresh GPU memory) for --steps
 optimizer steps of one sequence per CP group; the first step is warm-up, the rest are timed (median).
 MEMORY is a hydra_conf/memory preset. Results go to $OUT/bench_train.jsonl (one JSON line each).
-Model TFLOP/s use engine/flops.py's formula (6NT + causal attention, recompute not counted), the same as
+Model TFLOP/s use engine/observe/flops.py's formula (6NT + causal attention, recompute not counted), the same as
 ../anchor-bench/model_bench.py, so the columns compare.
 """
 import argparse

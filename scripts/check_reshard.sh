@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Resume on more GPUs, on real GPUs (NCCL). A 1-rank run is stopped after step 2 and resumed on $NGPU ranks,
-# which re-partitions its checkpoint (engine/reshard.py); its steps 3-4 are compared with an uninterrupted
+# which re-partitions its checkpoint (engine/checkpoints/reshard.py); its steps 3-4 are compared with an uninterrupted
 # $NGPU-rank run, and the checkpoint is exported (scripts/export_hf.py). Two 1-rank sources: the default, which
 # runs ZeRO-2 on one rank, and deepspeed.offload_param=true, which keeps it on ZeRO-3. The tiny model in fp32,
 # so the tolerance is fp32's (rel 1e-5).

@@ -8,7 +8,7 @@
     deepspeed --num_gpus 1 --no_local_rank scripts/eval_retrieval.py <hf folder> precision=bf16 \
         memory=long_context lengths=[131072] data.passkey.key_length=5
 
-Teacher-forced exact match of the whole answer per cell (engine/retrieval.py), written to
+Teacher-forced exact match of the whole answer per cell (engine/run/retrieval.py), written to
 <out_dir>/retrieval.json ({"cells": [{"length", "depth", "accuracy"}...], "mean_accuracy"}) and retrieval.png.
 out_dir defaults to the target. Launched like scripts/train.py (torchrun, deepspeed, plain python).
 """
@@ -126,7 +126,7 @@ def resolve(cfg: RetrievalEvalConfig, world_size: int):
 
 def run(cfg: RetrievalEvalConfig) -> dict:
     """Everything after composition; tests call it on forked ranks."""
-    from engine.distributed import init_distributed, read_runtime
+    from engine.ds.distributed import init_distributed, read_runtime
     rt = read_runtime(cfg.device)
     train_cfg, task, lengths, depths, out_dir = resolve(cfg, rt.world_size)
     plan = validate(train_cfg, rt.world_size)  # cp, heads, memory presets: before the model loads
@@ -134,9 +134,9 @@ def run(cfg: RetrievalEvalConfig) -> dict:
                         format=f"[rank{rt.rank}] %(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     init_distributed(rt)
     from ds_ulysses_ext import init_topology
-    from engine.build import build
+    from engine.ds.build import build
     from engine.data import pad_id_of
-    from engine.retrieval import score_retrieval, write_retrieval
+    from engine.run.retrieval import score_retrieval, write_retrieval
     topo = init_topology(plan.cp, plan.ep, plan.ring)
     engine, _, _ = build(train_cfg, plan, topo, rt.device)
     result = score_retrieval(engine, task, cfg.run.seed, lengths, depths, cfg.samples_per_cell, topo, plan.dp,

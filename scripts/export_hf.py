@@ -7,7 +7,7 @@
 One CPU process, no launcher; it holds the fp32 weights and the model in host memory (about 6 bytes per
 parameter for a bf16 model: 48 GB for 8B). For the final step the run's own export (`trainer.export_hf`,
 `<run>/hf_export`) holds the same weights. This serves mid-run checkpoints, and a run that must go on where
-its optimizer state cannot follow (e.g. onto one rank, engine/reshard.py): start a new run.out_dir with
+its optimizer state cannot follow (e.g. onto one rank, engine/checkpoints/reshard.py): start a new run.out_dir with
 model.source=pretrained model.path=<the export> (the optimizer starts fresh).
 """
 import argparse
@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from engine.export import export_hf_from_checkpoint  # noqa: E402
+from engine.checkpoints.export import export_hf_from_checkpoint  # noqa: E402
 
 
 def main(argv=None) -> None:

@@ -4,7 +4,7 @@
     python3 scripts/trace_phases.py outputs/run/profile_step4_rank0.json [--top 15]
 
 torch.profiler's op table sums over the whole step; it cannot say which phase an op ran in, nor whether the
-GPU sat idle waiting for the host. For each phase.* range (engine/profile.py marks forward, backward and
+GPU sat idle waiting for the host. For each phase.* range (engine/observe/profile.py marks forward, backward and
 optimizer) this prints:
 - host side: the span, the top-level operators by total time, and how many kernels were launched;
 - device side (CUDA traces): the span of the phase's GPU range, the time kernels and copies kept the GPU

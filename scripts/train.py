@@ -37,7 +37,7 @@ def main(dict_cfg: DictConfig) -> None:
 
 def run(cfg: TrainConfig) -> dict:
     """Everything after composition; tests call this with a composed config on forked ranks."""
-    from engine.distributed import init_distributed, read_runtime
+    from engine.ds.distributed import init_distributed, read_runtime
     rt = read_runtime(cfg.device)
     plan = validate(cfg, rt.world_size)  # every cross-field check, before any model is loaded
     logging.basicConfig(level=logging.INFO if rt.is_main else logging.WARNING,
@@ -45,7 +45,7 @@ def run(cfg: TrainConfig) -> dict:
     if rt.device.type == "cuda" and cfg.memory.expandable_segments:
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # before the first allocation
     init_distributed(rt)
-    from engine.train import train, write_resolved_config
+    from engine.run.train import train, write_resolved_config
     if rt.is_main:
         write_resolved_config(cfg, plan, Path(cfg.run.out_dir))
     outputs = train(cfg, plan, rt)

@@ -11,7 +11,7 @@ def rel(a, b):
 
 def assert_share_matches_unsplit(model, loss_sum, count, topo, ref_loss, ref_grads, what=""):
     """loss_sum, count: this rank's CPCausalLM outputs; the exact gradient is the sum of every rank's
-    loss_sum / global_count gradient (how the engine combines shares, engine/grad_reduction.py)."""
+    loss_sum / global_count gradient (how the engine combines shares, engine/ds/grad_reduction.py)."""
     global_count = count.clone()
     dist.all_reduce(global_count, group=topo.cp_group)
     share = loss_sum / global_count

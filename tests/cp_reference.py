@@ -13,7 +13,7 @@ def cp_loss_and_grads(model, topo, batch: dict, chunk: int = 3):
     """(global mean loss, {name: gradient summed over the CP group}) of one forward/backward under CP.
 
     Each rank backprops its share local_sum / global_count and the parameter gradients are summed over the
-    CP group, as the engine combines them (engine/grad_reduction.py)."""
+    CP group, as the engine combines them (engine/ds/grad_reduction.py)."""
     local = shard_batch(batch, topo)
     loss_sum, count = CPCausalLM(model, loss_chunk_size=chunk)(**local)
     global_count = count.clone()

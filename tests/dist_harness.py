@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 
 def patch_deepspeed_shm_build() -> None:
     """Skip DeepSpeed's CPU shm-comm JIT build (35-75 s, only used for inference all-reduce)."""
-    from engine.ds_patches import skip_deepspeed_shm_build
+    from engine.ds.patches import skip_deepspeed_shm_build
     skip_deepspeed_shm_build()
 
 

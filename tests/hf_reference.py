@@ -2,7 +2,7 @@
 of the project's training code: the independent anchor for the engine's world-1 runs (tests/test_engine.py).
 
 Shared with the engine only what must be the same for the comparison to mean anything: the config, the
-random init (engine/init.py; tests/test_engine_units.py checks it is the same for every layout) and the
+random init (engine/ds/init.py; tests/test_engine_units.py checks it is the same for every layout) and the
 samples of step 1 (a function of seed and step). The loss is written out here: the sum of token
 cross-entropies over the global batch, shifted HF-style, over the number of non-masked targets.
 """
@@ -16,10 +16,10 @@ def first_step(overrides: list[str]) -> dict:
     """{"loss", "grad_norm" (before clipping), "lr", and name -> tensor: "grads" (after clipping), "init" and
     "weights" (after the step)}."""
     from configs import compose_config, validate
-    from engine.build import build_hf_model
+    from engine.ds.build import build_hf_model
     from engine.data import GlobalBatchSampler, build_dataset, collate, pad_id_of
-    from engine.ds_config import to_deepspeed_dict
-    from engine.hf_config import hf_config_of
+    from engine.ds.config import to_deepspeed_dict
+    from engine.ds.hf_config import hf_config_of
 
     forced = ["parallelism.cp=1", "deepspeed=zero2", "deepspeed.offload_param=false"]
     keys = {o.split("=")[0] for o in forced}

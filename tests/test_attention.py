@@ -5,7 +5,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from dist_harness import run_ranks
-from ds_ulysses_ext import comm, init_topology, ulysses_attention
+from ds_ulysses_ext import init_topology, ulysses_attention
+from ds_ulysses_ext.attention import exchange
 from ds_ulysses_ext.errors import UnsupportedError
 
 RTOL = 1e-5  # fp32: the exchange moves data only, so the result differs from the reference by kernel rounding
@@ -59,9 +60,9 @@ def test_ulysses_matches_full_attention(world, heads, causal):
 def _check_roundtrip(rank, world):
     topo = init_topology(world)
     x = torch.randn(3, 5, 4 * world, 7, generator=torch.Generator().manual_seed(rank))
-    y = comm.seq_to_head(x, topo.cp_group)
+    y = exchange.seq_to_head(x, topo.cp_group)
     assert y.shape == (3, 5 * world, 4, 7)
-    assert torch.equal(comm.head_to_seq(y, topo.cp_group), x)
+    assert torch.equal(exchange.head_to_seq(y, topo.cp_group), x)
     # seq_to_head really moved data: rank r's heads of every chunk, chunks in rank order
     gathered = [torch.empty_like(x) for _ in range(world)]
     dist.all_gather(gathered, x)

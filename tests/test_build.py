@@ -8,10 +8,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from configs import compose_config, validate
-from engine.build import _uninitialised_on, build_hf_model
-from engine.ds_config import to_deepspeed_dict
-from engine.hf_config import hf_config_of
-from engine.init import init_random_weights
+from engine.ds.build import _uninitialised_on, build_hf_model
+from engine.ds.config import to_deepspeed_dict
+from engine.ds.hf_config import hf_config_of
+from engine.ds.init import init_random_weights
 from tiny_models import tiny_config
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe")
@@ -131,7 +131,7 @@ def test_a_parameter_without_a_rule_fails_from_the_threads():
 def test_every_build_path_leaves_the_same_global_rng_state(monkeypatch, hf_init):
     # HF's own init draws from the global RNG (ZeRO-3 path, old transformers); the fast path does not.
     # Whatever ran, the state after the build must be the seed's, or a later global draw differs by layout.
-    import engine.build as build
+    import engine.ds.build as build
     if hf_init:
         monkeypatch.setattr(build, "no_init_weights", None)
     cfg = compose_config(["model=tiny", "parallelism=cp1", "precision=fp32", f"run.seed={SEED}"])
@@ -149,8 +149,8 @@ def _zero3_build_gathers_to_the_reference(rank, world):
                           "deepspeed=zero3", "deepspeed.stage3_param_persistence_threshold=0"])
     ds_dict = to_deepspeed_dict(cfg, validate(cfg, world))
     assert ds_dict["zero_optimization"]["stage"] == 3
-    import engine.build
-    engine.build._HF_DS_CONFIG.clear()  # the reference is a plain build: no live ZeRO-3 config may leak into it
+    import engine.ds.build
+    engine.ds.build._HF_DS_CONFIG.clear()  # the reference is a plain build: no live ZeRO-3 config may leak into it
     hf_config = hf_config_of(cfg.model)
     ref = dict(_plain_build(hf_config, torch.float32, seed=SEED, std=hf_config.initializer_range).named_parameters())
     model = build_hf_model(cfg, ds_dict)

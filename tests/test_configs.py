@@ -460,7 +460,7 @@ def test_except_attention_budget_needs_the_probe_and_no_fixed_layer_count():
 
 @pytest.mark.parametrize("preset", ["zero2", "zero3", "zero3_offload"])
 def test_bf16_master_weights_validate_with_bf16_precision(preset):
-    # offload included: DeepSpeed 0.19.8 builds its CPU Adam with bf16 moments for it (engine/ds_config.py)
+    # offload included: DeepSpeed 0.19.8 builds its CPU Adam with bf16 moments for it (engine/ds/config.py)
     cfg = compose_config([f"deepspeed={preset}", "precision=bf16", "deepspeed.master_weights=bf16"])
     assert validate(cfg, world_size=2).precision == "bf16"
 

@@ -42,16 +42,16 @@ def _copy_and_cut(saved_dir, tmp_path, name):
 
 
 def _run_logging_checkpoints(rank, world, overrides, log_file):
-    # pytest's own handler holds the forked ranks' records, so rank 0 writes engine/checkpoint.py's to a file
+    # pytest's own handler holds the forked ranks' records, so rank 0 writes engine/checkpoints/checkpoint.py's to a file
     if rank == 0:
-        logger = logging.getLogger("engine.checkpoint")
+        logger = logging.getLogger("engine.checkpoints.checkpoint")
         logger.addHandler(logging.FileHandler(log_file))
         logger.setLevel(logging.INFO)
     _run(rank, world, overrides)
 
 
 def train_logged(tmp_path, name, world, extra):
-    """train(), and what engine/checkpoint.py logged on rank 0."""
+    """train(), and what engine/checkpoints/checkpoint.py logged on rank 0."""
     out, log_file = tmp_path / name, tmp_path / f"{name}.checkpoint.log"
     log_file.write_text("")
     run_ranks(_run_logging_checkpoints, world, BASE + [f"run.out_dir={out}"] + extra, str(log_file))

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from dist_harness import run_ranks
-from engine.export import export_hf_from_checkpoint
+from engine.checkpoints.export import export_hf_from_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -66,7 +66,7 @@ LAYOUTS = {  # name: (world, overrides)
 }
 
 
-# world 1 runs ZeRO-3 as ZeRO-2 unless its parameters are offloaded (engine/ds_config.py effective_zero_stage)
+# world 1 runs ZeRO-3 as ZeRO-2 unless its parameters are offloaded (engine/ds/config.py effective_zero_stage)
 WORLD_1 = {"zero3": ["deepspeed.offload_param=true"], "zero2": []}
 # Against stock HF + AdamW, measured on the first step (ZeRO-2 / ZeRO-3): loss 7e-8 / 7e-8 and grad_norm 1.1e-7 /
 # 2e-8 relative. Adam's first update is lr * g / (|g| + eps): it divides each gradient element by its own size,
@@ -111,7 +111,7 @@ def test_layouts_match_single_process(tmp_path, zero):
 def _run_and_check_tied(rank, world, overrides, report):
     """scripts/train.py, then on every rank: is lm_head still the embedding's parameter, with the same values?"""
     import deepspeed
-    import engine.train as loop
+    import engine.run.train as loop
     build, kept = loop.build, {}
 
     def build_and_keep(*args, **kwargs):
@@ -239,7 +239,7 @@ def test_resume_refuses_a_checkpoint_of_another_run(tmp_path):
 def _run_signalled_after_step_2(rank, world, overrides):
     import os
     import signal
-    import engine.train as loop
+    import engine.run.train as loop
     real_step = loop.train_step
     calls = []
 
@@ -344,7 +344,7 @@ def test_real_launcher_smoke(tmp_path, launcher):
 
 def _run_keeping_engine(rank, world, overrides) -> dict:
     """scripts/train.py, keeping the engine and its master partitions at the start (this forked rank only)."""
-    import engine.train as loop
+    import engine.run.train as loop
     build, kept = loop.build, {}
 
     def build_and_keep(*args, **kwargs):

@@ -10,15 +10,15 @@ import torch
 
 from configs import Plan
 from dist_harness import run_ranks
-from engine import checkpoint
-from engine.distributed import Runtime, cp_placement_warning
-from engine.grad_reduction import loss_scale
-from engine.hf_config import position_warning
-from engine.reshard import needs_reshard, optimizer_layout, steps_to_param_device
-from engine.schedule import build_scheduler, lr_factor
-from engine.step import StepResult
-from engine.tracking import Tracker
-from engine.train import _metrics
+from engine.checkpoints import checkpoint
+from engine.ds.distributed import Runtime, cp_placement_warning
+from engine.ds.grad_reduction import loss_scale
+from engine.ds.hf_config import position_warning
+from engine.checkpoints.reshard import needs_reshard, optimizer_layout, steps_to_param_device
+from engine.run.schedule import build_scheduler, lr_factor
+from engine.run.step import StepResult
+from engine.observe.tracking import Tracker
+from engine.run.train import _metrics
 from tiny_models import tiny_config
 
 PLAN = Plan(world_size=4, cp=2, dp=2, ep=1, grad_accum=2, micro_batch_size=1, global_batch_size=4, seq_len=1024,
@@ -37,8 +37,8 @@ def test_mfu_above_100_percent_aborts():
 
 def test_attention_flops_count_documents_and_windows_not_the_row():
     from types import SimpleNamespace
-    from engine.flops import step_flops
-    from engine.train import packed_attention_sq
+    from engine.observe.flops import step_flops
+    from engine.run.train import packed_attention_sq
     cfg = SimpleNamespace(head_dim=8, hidden_size=32, num_attention_heads=4, num_hidden_layers=3,
                           sliding_window=None, layer_types=None)
     per_sq = 6.0 * 4 * 8  # FLOPs per unit of S^2 per layer
@@ -57,7 +57,7 @@ def test_attention_flops_count_documents_and_windows_not_the_row():
 
 
 def test_loss_scale_per_reduction_path():
-    # the measured DeepSpeed conventions (engine/grad_reduction.py), written out by hand
+    # the measured DeepSpeed conventions (engine/ds/grad_reduction.py), written out by hand
     assert loss_scale(3, True, PLAN) == 4.0     # mean over dp*cp
     assert loss_scale(3, False, PLAN) == 2.0    # sum over cp, mean over dp
     assert loss_scale(2, True, PLAN) == 2.0
@@ -199,7 +199,7 @@ def test_adam_steps_move_to_their_parameters_device():
 
 def _node_spans(rank, world, cp, ranks_per_node, out_dir):
     import socket
-    from engine.distributed import cp_group_node_spans
+    from engine.ds.distributed import cp_group_node_spans
     socket.gethostname = lambda: f"node{rank // ranks_per_node}"  # this rank's process only
     spans = cp_group_node_spans(world, cp)
     if rank == 0:
@@ -227,7 +227,7 @@ def test_a_pretrained_model_trained_past_its_positions_is_warned_about():
 
 
 def test_timed_checkpoint_is_due_after_the_interval_and_on_rank_0s_clock(monkeypatch):
-    import engine.preemption as pre
+    import engine.checkpoints.preemption as pre
     now = [1000.0]
     monkeypatch.setattr(pre.time, "monotonic", lambda: now[0])
     clock = pre.Preemption(save_every_minutes=2)
@@ -251,7 +251,7 @@ def test_timed_checkpoint_is_due_after_the_interval_and_on_rank_0s_clock(monkeyp
 
 
 def test_the_wall_time_limit_counts_from_the_start_on_rank_0s_clock(monkeypatch):
-    import engine.preemption as pre
+    import engine.checkpoints.preemption as pre
     now = [50.0]
     monkeypatch.setattr(pre.time, "monotonic", lambda: now[0])
     clock = pre.Preemption(save_every_minutes=1, max_minutes=3)
@@ -281,7 +281,7 @@ def test_attention_benchmark_script_runs_on_cpu():
 
 def test_zero3_on_one_rank_runs_as_zero2_unless_params_are_offloaded():
     from configs import compose_config, validate
-    from engine.ds_config import to_deepspeed_dict
+    from engine.ds.config import to_deepspeed_dict
     cfg = compose_config(["parallelism=cp1", "deepspeed=zero3"])
     assert to_deepspeed_dict(cfg, validate(cfg, 1))["zero_optimization"]["stage"] == 2
     cfg = compose_config(["parallelism=cp1", "deepspeed=zero3_offload"])
@@ -292,7 +292,7 @@ def test_zero3_on_one_rank_runs_as_zero2_unless_params_are_offloaded():
 
 def _ds_dict(overrides, world=1):
     from configs import compose_config, validate
-    from engine.ds_config import to_deepspeed_dict
+    from engine.ds.config import to_deepspeed_dict
     cfg = compose_config([f"parallelism.cp={world}"] + overrides)
     return to_deepspeed_dict(cfg, validate(cfg, world))
 
@@ -311,7 +311,7 @@ def test_master_weights_map_to_deepspeed_bf16_keys():
 
 
 def test_deepspeed_overflow_check_runs_only_when_steps_are_skipped():
-    # DeepSpeed's own default is on; under abort the loop checks the grad norm instead (engine/train.py)
+    # DeepSpeed's own default is on; under abort the loop checks the grad norm instead (engine/run/train.py)
     assert _ds_dict(["precision=bf16"])["bf16"]["check_grad_overflow"] is False
     skip = _ds_dict(["precision=bf16", "deepspeed=zero2", "trainer.on_nonfinite=skip"])
     assert skip["bf16"]["check_grad_overflow"] is True
@@ -349,9 +349,9 @@ def test_resume_reads_a_checkpoint_from_before_data_eval_samples_as_no_held_out_
 def _init_weights_by_stage(rank, world, out):
     import deepspeed
     from configs import compose_config, validate
-    from engine.build import build_hf_model
-    from engine.ds_config import to_deepspeed_dict
-    from engine.ds_patches import skip_deepspeed_shm_build
+    from engine.ds.build import build_hf_model
+    from engine.ds.config import to_deepspeed_dict
+    from engine.ds.patches import skip_deepspeed_shm_build
     skip_deepspeed_shm_build()
     weights = {}
     for stage in ("zero3", "zero2"):
@@ -380,12 +380,12 @@ def test_random_init_is_the_same_for_every_stage_and_world_size(tmp_path):
 
 def _oom_run(rank, world, out):
     from configs import compose_config
-    import engine.train
+    import engine.run.train
     import train as entry
 
     def out_of_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
-    engine.train.train_step = out_of_memory  # this forked rank only
+    engine.run.train.train_step = out_of_memory  # this forked rank only
     entry.run(compose_config(["model=tiny", "data=synthetic", "data.seq_len=64", "parallelism.cp=2",
                               "memory=except_attention", "trainer.max_steps=2", "logging.progress_bar=false",
                               f"run.out_dir={out}"]))
@@ -407,7 +407,7 @@ def test_out_of_memory_names_the_layout_and_the_leaner_policies(tmp_path):
 
 
 def test_manifest_files_are_shared_largest_first_onto_the_least_loaded_rank():
-    from engine.manifest import share
+    from engine.checkpoints.manifest import share
     sizes = {"a": 10, "b": 7, "c": 5, "d": 1}  # by hand: a->0 (10), b->1 (7), c->1 (12), d->0 (11)
     assert (share(sizes, 0, 2), share(sizes, 1, 2)) == (["a", "d"], ["b", "c"])
     assert share(sizes, 0, 1) == ["a", "b", "c", "d"]
@@ -415,7 +415,7 @@ def test_manifest_files_are_shared_largest_first_onto_the_least_loaded_rank():
 
 def _manifest_verdicts(rank, world, folder, out):
     import torch.distributed as dist
-    from engine import manifest
+    from engine.checkpoints import manifest
     folder = Path(folder)
     verdicts = {"none": manifest.verify(folder, rank)}  # no manifest yet: written before manifests existed
     manifest.write(folder, rank)
@@ -456,7 +456,7 @@ def test_manifest_verdict_is_every_ranks_and_catches_a_flipped_bit(tmp_path):
 def _resume_tags(rank, world, out_dir, out):
     out_dir = Path(out_dir)
     root = checkpoint.ckpt_root(out_dir)
-    from engine import manifest
+    from engine.checkpoints import manifest
     got = {}
     for step in (2, 4, 6):
         (root / checkpoint.tag_of(step)).mkdir(parents=True)

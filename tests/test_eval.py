@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from test_engine import BASE, RTOL, _rel, assert_same_trajectory, train
 
-from engine.evaluate import local_eval_batches
+from engine.run.evaluate import local_eval_batches
 
 EVAL = ["data.eval_samples=3", "trainer.max_steps=3"]  # 3 held-out samples: not a multiple of dp=2
 
@@ -82,7 +82,7 @@ def test_eval_path_scores_every_sample_of_a_validation_file(tmp_path):
 def test_loss_plot_shows_the_held_out_points(tmp_path, monkeypatch):
     import json
     import matplotlib.pyplot as plt
-    from engine.plot import plot_loss
+    from engine.observe.plot import plot_loss
     rows = [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.5, "eval_loss": 2.7}, {"step": 3, "loss": 2.2}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     drawn, real_plot = [], plt.Axes.plot

@@ -9,8 +9,8 @@ sink trick relies on (flash_varlen passes the rescaled output), so a stand-in th
 import pytest
 import torch
 
-from ds_ulysses_ext import backends, flash_varlen
-from ds_ulysses_ext.masks import cu_seqlens_of, masked_attention
+from ds_ulysses_ext.attention import backends, flash_varlen
+from ds_ulysses_ext.attention.masks import cu_seqlens_of, masked_attention
 
 
 def _reach_as_flash_takes_it(causal, left, right, max_q, max_k):
@@ -153,7 +153,7 @@ def test_first_use_checks_run_inside_a_checkpointed_layer_or_an_eval(stand_in, c
     a layer's forward: under activation checkpointing the recompute (which finds the check cached) must save what
     the forward saved, and under no_grad / inference mode (an eval first) the check must still pass, or the kernel
     would be left out for the whole run. Seen failing before kernel_check.isolated (a CheckpointError; False)."""
-    import ds_ulysses_ext.ring_blocks as blocks
+    import ds_ulysses_ext.attention.ring_blocks as blocks
     from torch.utils.checkpoint import checkpoint
     cpu = torch.device("cpu")
     checks = [lambda: flash_varlen._checked(cpu, torch.float32, 8),

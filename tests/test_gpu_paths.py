@@ -41,7 +41,7 @@ def _count_fused_calls(blocks_mod, D, monkeypatch, name="_CudaCudnn") -> list:
 
 def test_the_ring_prefers_cudnn_blocks_on_hopper():
     # cuDNN's kernel is the one that meets the ring's overhead target (docs/benchmarks.md): it must be the pick
-    import ds_ulysses_ext.ring_blocks as blocks_mod
+    import ds_ulysses_ext.attention.ring_blocks as blocks_mod
     q = torch.zeros(1, 2, 8, 64, device="cuda", dtype=torch.bfloat16)
     assert blocks_mod._fused_kernel(q) is blocks_mod._CudaCudnn
 
@@ -57,7 +57,7 @@ def _ring_inputs(S, D, seed):
 @pytest.mark.parametrize("kernel", ["_CudaCudnn", "_CudaFlash"])
 @pytest.mark.parametrize("R", [2, 4])
 def test_fused_ring_blocks_reassemble_exact_attention(R, kernel, monkeypatch):
-    import ds_ulysses_ext.ring_blocks as blocks_mod
+    import ds_ulysses_ext.attention.ring_blocks as blocks_mod
     from bench_attn_features import check_ring
     S, D = 4096, 64
     calls = _count_fused_calls(blocks_mod, D, monkeypatch, kernel)
@@ -81,7 +81,7 @@ def _docs_reference(q, k, v, lengths):
 
 
 def test_packed_documents_through_the_fused_calls():
-    from ds_ulysses_ext import masks
+    from ds_ulysses_ext.attention import masks
     lengths = [3000, 600, 37, 1500, 129, 900, 2100, 20]  # long ones alone, short ones padded to 128s and batched
     S = sum(lengths)
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -93,7 +93,7 @@ def test_packed_documents_through_the_fused_calls():
 
 
 def test_sinks_through_sdpa_match_the_definition():
-    from ds_ulysses_ext import masks
+    from ds_ulysses_ext.attention import masks
     g = torch.Generator(device="cuda").manual_seed(2)
     S, h, hkv, D, window = 3000, 8, 2, 64, 128
     q = torch.randn(1, S, h, D, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -114,15 +114,15 @@ def test_sinks_through_sdpa_match_the_definition():
 @pytest.mark.parametrize("kernel", ["_CudaCudnn", "_CudaFlash", "varlen"])
 def test_fused_ring_with_packed_documents_reassembles_exact_attention(kernel, monkeypatch):
     # the whole simulated ring of 2 ranks with packed documents: one fused call per document part of each block
-    import ds_ulysses_ext.ring as ring_mod
-    import ds_ulysses_ext.ring_blocks as blocks_mod
+    import ds_ulysses_ext.attention.ring as ring_mod
+    import ds_ulysses_ext.attention.ring_blocks as blocks_mod
     from bench_attn_features import OneGpuRing, kv_shares
-    from ds_ulysses_ext.masks import cu_seqlens_of, document_ids, masked_attention
+    from ds_ulysses_ext.attention.masks import cu_seqlens_of, document_ids, masked_attention
     R, S, D = 2, 4096, 64
     lengths = [1000, 37, 1500, 600, 959]  # documents that cross the zigzag chunks
-    import ds_ulysses_ext.ring_varlen as varlen_mod
+    import ds_ulysses_ext.attention.ring_varlen as varlen_mod
     if kernel == "varlen":  # every block one varlen call (ring_varlen._VarlenBlock), whatever its part count
-        from ds_ulysses_ext import flash_varlen
+        from ds_ulysses_ext.attention import flash_varlen
         assert varlen_mod._checked_varlen(torch.device("cuda", torch.cuda.current_device()), torch.bfloat16, D), \
             "the varlen block kernel was left out: see the log line that says why"
         monkeypatch.setattr(varlen_mod, "VARLEN_PARTS", 0)
@@ -162,7 +162,7 @@ def test_fused_ring_with_packed_documents_reassembles_exact_attention(kernel, mo
 def test_optional_kernels_take_documents_windows_and_sinks(backend, feature):
     """flash-attn's and FA4's varlen / window / sink arguments as backends.py passes them, forward and backward,
     against masks.py's exact torch path in fp64. Skipped where the optional kernel is not installed."""
-    from ds_ulysses_ext import backends, masks
+    from ds_ulysses_ext.attention import backends, masks
     if backends._optional_func(backend) is None:
         pytest.skip(f"{backend} is not installed here (an optional GPU extra)")
     if not set(feature.split("+")) <= backends._FEATURES[backend]:
@@ -199,7 +199,7 @@ def test_optional_kernels_take_documents_windows_and_sinks(backend, feature):
 def test_torch_varlen_flash_takes_documents_windows_and_sinks(feature, monkeypatch):
     """The `sdpa` backend's one-call road (flash_varlen.py: torch's varlen flash kernel, the sinks on its
     log-sum-exp), forward and backward, against masks.py's exact torch path in fp64; and it really ran."""
-    from ds_ulysses_ext import backends, flash_varlen, masks
+    from ds_ulysses_ext.attention import backends, flash_varlen, masks
     lengths = [1500, 37, 600, 2000, 959]
     S, h, hkv, D = sum(lengths), 8, 2, 64
     g = torch.Generator(device="cuda").manual_seed(6)
@@ -234,10 +234,10 @@ def test_torch_varlen_flash_takes_documents_windows_and_sinks(feature, monkeypat
 def test_fused_ring_with_sinks_reassembles_exact_attention(kernel, monkeypatch):
     # GPT-OSS's full layers under a ring: every block fused, forward and backward; the backward's fused kernel gets
     # an output lowered by the sinks' log-sum-exp gradient (ring._lowered). A simulated ring of 2 ranks on one GPU
-    import ds_ulysses_ext.ring as ring_mod
-    import ds_ulysses_ext.ring_blocks as blocks_mod
+    import ds_ulysses_ext.attention.ring as ring_mod
+    import ds_ulysses_ext.attention.ring_blocks as blocks_mod
     from bench_attn_features import OneGpuRing, kv_shares
-    from ds_ulysses_ext.masks import masked_attention
+    from ds_ulysses_ext.attention.masks import masked_attention
     R, S, D = 2, 4096, 64
     calls = _count_fused_calls(blocks_mod, D, monkeypatch, kernel)
     backward_calls, real_backward = [], getattr(blocks_mod, kernel).backward
@@ -280,9 +280,9 @@ def test_fused_ring_with_sinks_reassembles_exact_attention(kernel, monkeypatch):
 def test_ring_with_a_window_through_varlen_calls_reassembles_exact_attention(R, window, monkeypatch):
     # a sliding window under the ring: each block's (query run, key run) pairs within reach as varlen calls with
     # the kernel's own reach (ring_varlen._WindowBlock), the whole simulated ring against fp64
-    import ds_ulysses_ext.ring_varlen as varlen_mod
+    import ds_ulysses_ext.attention.ring_varlen as varlen_mod
     from bench_attn_features import check_ring
-    from ds_ulysses_ext import flash_varlen
+    from ds_ulysses_ext.attention import flash_varlen
     S, D = 4096, 64
     assert varlen_mod._checked_varlen(torch.device("cuda", torch.cuda.current_device()), torch.bfloat16, D), \
         "the varlen block kernel was left out: see the log line that says why"

@@ -1,4 +1,4 @@
-"""engine.ds_patches.one_pass_zero2_grad_norm: DeepSpeed's ZeRO-1/2 gradient norm, computed in one multi-tensor pass,
+"""engine.ds.patches.one_pass_zero2_grad_norm: DeepSpeed's ZeRO-1/2 gradient norm, computed in one multi-tensor pass,
 against DeepSpeed's own per-tensor fp64 method and against an fp64 reference over every rank's gradients."""
 import math
 from types import SimpleNamespace
@@ -27,7 +27,7 @@ def _check(rank, world, dtype, poison):
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
     patch_deepspeed_shm_build()
     deepspeed.init_distributed(dist_backend="gloo")  # deepspeed.comm over the harness's process group
-    from engine.ds_patches import one_pass_zero2_grad_norm
+    from engine.ds.patches import one_pass_zero2_grad_norm
     grads = _grads(rank, dtype)
     if poison and rank == world - 1:
         grads[2][0, 0, 0] = float("nan")

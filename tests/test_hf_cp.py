@@ -2,7 +2,7 @@
 
 The reference is stock HF: full sequence, sdpa attention, `F.cross_entropy` mean over the shifted
 labels. Under CP each rank backprops its share local_sum / global_count, and the parameter gradients
-are summed over the CP group (how the engine combines shares, see engine/grad_reduction.py).
+are summed over the CP group (how the engine combines shares, see engine/ds/grad_reduction.py).
 The batch has masked labels, a length (13) that cp does not divide, and a leading masked region so
 that whole chunks hold only masked targets (rank 0 has no loss token at cp=4).
 """

@@ -1,8 +1,8 @@
-"""engine/host_memory.py: the pinned host memory activation offload will take, said before the first step."""
+"""engine/observe/host_memory.py: the pinned host memory activation offload will take, said before the first step."""
 import pytest
 
 from configs import compose_config, validate
-from engine.host_memory import offload_estimate_gib, offload_report
+from engine.observe.host_memory import offload_estimate_gib, offload_report
 
 ONE_M = ["model=llama3_2_1b", "data=synthetic", "data.seq_len=1048576", "precision=bf16", "trainer.global_batch_size=1",
          "trainer.micro_batch_size=1"]

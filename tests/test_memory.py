@@ -455,10 +455,10 @@ def test_zero3_cp2_step_with_each_policy_matches_no_policy():
 
 
 def test_engine_builds_the_budget_policy_from_config_probe_numbers():
-    # engine/build.py turns memory.probe_*_gib into a ProbeResult: 4 layers, 40 GiB without recompute, 8 with
+    # engine/ds/build.py turns memory.probe_*_gib into a ProbeResult: 4 layers, 40 GiB without recompute, 8 with
     # full recompute, so 8 GiB saved per recomputed layer; a 25 GiB budget needs ceil((40-25)/8) = 2 layers
     from configs import compose_config
-    from engine.build import _apply_memory
+    from engine.ds.build import _apply_memory
     cfg = compose_config(["memory=budget", "memory.budget_gib=25", "memory.probe_none_gib=40",
                           "memory.probe_full_gib=8"])
     lm = _lm(init_topology(1))

@@ -3,7 +3,7 @@
 The audit behind this file read each family's configuration_*.py and modeling_*.py in transformers 5.22 for the
 config fields that change the forward. AUDIT below is its table: every field of every registry family's config
 says where it is covered at cp > 1 (a case here, another test) or where it is refused before training
-(ds_ulysses_ext/models.py check_model_config / check_attention_config, rope.py check_rope, configs/validate.py),
+(ds_ulysses_ext/models.py check_model_config / check_attention_config, rope.py check_rope, configs/model.py and the other group modules),
 or why it cannot change the math. A field a transformers upgrade adds, or a family added to the registry without
 cases, fails test_every_config_field_of_every_family_is_audited first.
 
@@ -40,7 +40,7 @@ AUDIT = {
     "num_key_value_heads": "tests/test_hf_cp.py (GQA, replicated at cp 4); refused: check_model_config",
     "head_dim": "every tiny model", "rms_norm_eps": "per token", "initializer_range": "the init only",
     "bos_token_id": "data only", "eos_token_id": "data only", "use_cache": "CP runs no cache (generate refused)",
-    "max_position_embeddings": "refused past it: validate; warned for a checkpoint (engine/hf_config.py)",
+    "max_position_embeddings": "refused past it: validate; warned for a checkpoint (engine/ds/hf_config.py)",
     "pad_token_id": "llama_pad_token (the embedding's padding_idx)",
     "hidden_act": "llama_gelu; MoE experts: silu only, refused otherwise (configs/moe.py, hf_moe_spec)",
     "mlp_bias": "llama_mlp_bias",
@@ -286,7 +286,7 @@ def _gpt_oss_moe(overrides, seed=0):
 
 
 def _latent_moe(overrides, seed=0):
-    """A LatentMoE small enough for a test (the 512 rule on latent_size is configs/validate.py's, not the model's)."""
+    """A LatentMoE small enough for a test (the 512 rule on latent_size is configs/model.py check_latent_size's, not the model's)."""
     from ds_ulysses_ext.moe.latent_model import LatentMoeConfig, LatentMoeForCausalLM
     args = dict(vocab_size=96, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, latent_size=16,
                 shared_expert_intermediate_size=8, num_experts=E, num_experts_per_tok=K, norm_topk_prob=True,

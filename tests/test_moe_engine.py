@@ -120,7 +120,7 @@ def test_moe_export_gathers_every_expert(tmp_path):
 
 
 def test_flops_count_the_active_experts_only():
-    from engine.flops import count_params
+    from engine.observe.flops import count_params
     from ds_ulysses_ext.moe.parallel import replace_hf_blocks
     from tiny_models import tiny_model
     model = tiny_model("qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16)

@@ -20,7 +20,7 @@ BLOW_UP = ["trainer.lr=1e30", "trainer.warmup_steps=0", "trainer.max_steps=4"]
 def _run_and_note(rank, world, overrides, notes):
     from configs import compose_config
     import train as entry
-    from engine.nonfinite import NonFiniteStep
+    from engine.observe.nonfinite import NonFiniteStep
     try:
         entry.run(compose_config(overrides))
         note = "finished"
@@ -87,6 +87,6 @@ def test_abort_is_not_triggered_by_a_finite_run(tmp_path):
     (math.nan, 1.0, "skip", (False, True)),
 ])
 def test_judge(loss, grad_norm, policy, expected):
-    from engine.nonfinite import judge
-    from engine.step import StepResult
+    from engine.observe.nonfinite import judge
+    from engine.run.step import StepResult
     assert judge(StepResult(loss=loss, grad_norm=grad_norm, tokens=1, input_tokens=1), policy) == expected

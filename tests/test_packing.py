@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from cp_reference import cp_loss_and_grads, rel
 from dist_harness import run_ranks
 from ds_ulysses_ext import Topology, enable_context_parallel, init_topology, shard_batch
-from ds_ulysses_ext.masks import cu_seqlens_of
+from ds_ulysses_ext.attention.masks import cu_seqlens_of
 from tiny_models import tiny_model
 
 RTOL = 1e-5
@@ -128,7 +128,7 @@ def test_one_document_per_row_adds_no_boundaries():
     (False, 4, 128, [4, 4, 5, 7]),
 ])
 def test_long_documents_take_their_own_unmasked_call_and_stay_exact(causal, block, bucket, calls, monkeypatch):
-    from ds_ulysses_ext import masks
+    from ds_ulysses_ext.attention import masks
     monkeypatch.setattr(masks, "DOC_BUCKET", bucket)
     q, k, v = _attention_inputs(3)
     pos = packed_batch()["position_ids"]
@@ -179,7 +179,7 @@ def test_the_document_plan_is_built_once_per_batch_and_never_reused_for_other_do
     # every layer of a step (and its recompute) gets the same cu_seqlens object, so the plan (host copy of the
     # boundaries, index tensors) is built for the first layer only; a new batch's tensor gets a fresh one, and
     # a plan must never answer for other boundaries, whether in a new tensor or written into the same one
-    from ds_ulysses_ext import masks
+    from ds_ulysses_ext.attention import masks
     builds = []
     real_plan = masks._document_plan
     monkeypatch.setattr(masks, "_document_plan", lambda *a: builds.append(a[0].tolist()) or real_plan(*a))
@@ -204,7 +204,7 @@ def test_the_document_plan_is_built_once_per_batch_and_never_reused_for_other_do
 
 def test_the_blocked_layout_is_built_once_per_batch(monkeypatch):
     # a window takes the masked block walk: its document ids and first keys are cached the same way
-    from ds_ulysses_ext import masks
+    from ds_ulysses_ext.attention import masks
     builds = []
     real_layout = masks._block_layout
     monkeypatch.setattr(masks, "_block_layout", lambda *a: builds.append(1) or real_layout(*a))
@@ -222,7 +222,7 @@ def test_the_blocked_layout_is_built_once_per_batch(monkeypatch):
 def test_one_plan_serves_every_layer_of_a_step_and_its_recompute(monkeypatch):
     # the cache pays off only if HF hands every layer, and the checkpointed recompute, the very tensor that
     # shard_batch made; a copy on the way would rebuild the plan per layer without failing anything else
-    from ds_ulysses_ext import masks
+    from ds_ulysses_ext.attention import masks
     builds, calls = [], []
     real_plan, real_per_document = masks._document_plan, masks._per_document
     monkeypatch.setattr(masks, "_document_plan", lambda *a: builds.append(1) or real_plan(*a))
@@ -241,7 +241,7 @@ def test_boundaries_rewritten_behind_torchs_back_get_a_fresh_plan(rewrite, windo
     # writes through .data or a numpy view change a tensor's values without bumping its version counter: the
     # same live object, same version, same storage. The plan cached on it must not answer for the new boundaries
     # (on CPU the cache compares the values, which costs no device sync there)
-    from ds_ulysses_ext import masks
+    from ds_ulysses_ext.attention import masks
     q, k, v = _attention_inputs(7)
     other = [[2, 9, 2], [6, 1, 6]]
     fresh = cu_seqlens_of(_positions(other))
@@ -263,7 +263,7 @@ def test_boundaries_rewritten_behind_torchs_back_get_a_fresh_plan(rewrite, windo
 def test_on_a_gpu_boundaries_rewritten_behind_torchs_back_stop_the_run(monkeypatch):
     # a GPU compares on the device, without a host sync: a stale plan there is a device-side assertion. CPU stands
     # in for the GPU (its _assert_async raises at once); unchanged boundaries still hit the plan
-    from ds_ulysses_ext import masks
+    from ds_ulysses_ext.attention import masks
     monkeypatch.setattr(masks, "_COMPARE_ON_HOST", ())
     q, k, v = _attention_inputs(8)
     cu = cu_seqlens_of(packed_batch()["position_ids"])
@@ -279,7 +279,7 @@ def test_on_a_gpu_boundaries_rewritten_behind_torchs_back_stop_the_run(monkeypat
 def test_empty_documents_in_hand_made_boundaries_add_nothing(causal, block):
     # varlen boundaries may repeat (an empty document, as flash-attn accepts); cu_seqlens_of never makes them, a
     # user's own loop may. DOCS with empty documents at the start, between documents, at a row boundary and the end
-    from ds_ulysses_ext import masks
+    from ds_ulysses_ext.attention import masks
     q, k, v = _attention_inputs(9)
     cu = torch.tensor([0, 0, 5, 5, 9, 13, 13, 16, 23, 26, 26], dtype=torch.int32)
     out = masks.masked_attention(q, k, v, causal=causal, cu_seqlens=cu, block=block)

@@ -183,7 +183,7 @@ LENGTHS, DEPTHS, PER_CELL = [300, 303], [0.0, 0.5, 1.0], 3
 def _score_on_rank(rank, world, cp, out_dir):
     from ds_ulysses_ext import CPCausalLM, enable_context_parallel, init_topology
     from engine.data import DEMO_TOKENIZER
-    from engine.retrieval import score_retrieval
+    from engine.run.retrieval import score_retrieval
     topo = init_topology(cp)
     hf = tiny_model("llama", vocab_size=512).eval()
     unsplit = tiny_model("llama", vocab_size=512).eval()  # the same seed: the same weights, without CP
@@ -219,7 +219,7 @@ def test_the_score_is_the_same_at_cp_1_2_and_4_and_right_sample_by_sample(tmp_pa
 def test_teacher_forced_exact_match_agrees_with_greedy_generate():
     from ds_ulysses_ext import CPCausalLM, shard_batch
     from engine.data import DEMO_TOKENIZER
-    from engine.retrieval import answer_hits
+    from engine.run.retrieval import answer_hits
     from ds_ulysses_ext import init_topology
     one = init_topology(1)  # the single-process topology (no process group)
     hf = tiny_model("llama", vocab_size=512).eval()

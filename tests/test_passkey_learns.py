@@ -41,12 +41,12 @@ def _score_random_init(rank, world, overrides, out_file):
     """The run's own model before any step (the engine's init from run.seed), scored on the same grid."""
     from configs import compose_config, validate
     from ds_ulysses_ext import init_topology
-    from engine.build import build
+    from engine.ds.build import build
     from engine.data import pad_id_of
     from engine.data.passkey import PasskeyTask
     from engine.data.tokenizer import tokenizer_of
-    from engine.distributed import init_distributed, read_runtime
-    from engine.retrieval import eval_grid_of, score_retrieval
+    from engine.ds.distributed import init_distributed, read_runtime
+    from engine.run.retrieval import eval_grid_of, score_retrieval
     cfg = compose_config(overrides)
     rt = read_runtime(cfg.device)
     plan = validate(cfg, rt.world_size)

@@ -5,7 +5,7 @@ from transformers import AutoModelForCausalLM, GPT2Config
 
 from dist_harness import run_ranks
 from ds_ulysses_ext import CPCausalLM, Topology, UnsupportedError, enable_context_parallel, init_topology, shard_batch
-from ds_ulysses_ext.backends import local_attention
+from ds_ulysses_ext.attention.backends import local_attention
 from tiny_models import tiny_model
 
 CP2 = Topology(world_size=2, rank=1, cp_size=2, dp_size=1)  # no group needed for the checks below
@@ -66,15 +66,15 @@ def test_flash_attn_missing_is_reported():
 def test_a_named_kernel_without_a_feature_the_model_uses_is_refused(monkeypatch, caplog):
     # flash-attn has documents and windows but no sinks: named, it is refused with the fix; picked by auto, the
     # sink layers run the exact torch path and the log says so (CPU stands in for CUDA: auto is forced to it)
-    from ds_ulysses_ext import backends
-    from ds_ulysses_ext.masks import masked_attention
+    from ds_ulysses_ext.attention import backends
+    from ds_ulysses_ext.attention.masks import masked_attention
     q = torch.randn(1, 6, 4, 8)
     sinks = torch.randn(4)
     with pytest.raises(UnsupportedError, match="'flash_attn' has no sinks support.*attn_backend=auto or "):
         local_attention("flash_attn", q, q, q, window=3, sinks=sinks)
     monkeypatch.setattr(backends, "resolve_backend", lambda name, *a: "flash_attn")
     backends._log_fallback.cache_clear()
-    with caplog.at_level("INFO", logger="ds_ulysses_ext.backends"):
+    with caplog.at_level("INFO", logger="ds_ulysses_ext.attention.backends"):
         out = local_attention("auto", q, q, q, window=3, sinks=sinks)
     assert torch.equal(out, masked_attention(q, q, q, causal=True, window=3, sinks=sinks))
     assert "flash_attn lacks sinks: those layers run torch's own" in caplog.text
@@ -84,7 +84,7 @@ def test_fa4_missing_is_reported_and_auto_falls_back_to_sdpa():
     q = torch.randn(1, 4, 2, 8)
     with pytest.raises(UnsupportedError, match="flash-attn-4 .flash_attn.cute. is not importable.*attn_backend=sdpa"):
         local_attention("fa4", q, q, q)
-    from ds_ulysses_ext.backends import resolve_backend
+    from ds_ulysses_ext.attention.backends import resolve_backend
     assert resolve_backend("auto", "cpu") == "sdpa"
     with pytest.raises(UnsupportedError, match="unknown attention backend 'fa5'"):
         resolve_backend("fa5", "cpu")
@@ -105,7 +105,7 @@ def test_unsharded_input_is_detected_on_first_forward():
 
 def test_auto_takes_an_importable_flash_kernel_on_cuda_only_in_half_precision(monkeypatch):
     # pretend FA4 imports: auto must take it for bf16 on CUDA, but never for fp32 (FA kernels are half-only)
-    from ds_ulysses_ext import backends
+    from ds_ulysses_ext.attention import backends
     monkeypatch.setattr(backends, "_optional_func", lambda b: (lambda *a, **k: None) if b == "fa4" else None)
     assert backends.resolve_backend("auto", "cuda", torch.bfloat16) == "fa4"
     assert backends.resolve_backend("auto", "cuda", torch.float32) == "sdpa"

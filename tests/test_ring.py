@@ -8,13 +8,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import ds_ulysses_ext.ring as ring_mod
-import ds_ulysses_ext.ring_blocks as blocks_mod
+import ds_ulysses_ext.attention.ring as ring_mod
+import ds_ulysses_ext.attention.ring_blocks as blocks_mod
 from cp_check import assert_share_matches_unsplit
 from dist_harness import run_ranks
 from ds_ulysses_ext import init_topology
-from ds_ulysses_ext.ring import ring_attention
-from ds_ulysses_ext.zigzag import padded_seq_len, rank_positions, zigzag_order
+from ds_ulysses_ext.attention.ring import ring_attention
+from ds_ulysses_ext.attention.zigzag import padded_seq_len, rank_positions, zigzag_order
 
 RTOL = 1e-5
 
@@ -216,7 +216,7 @@ def test_ring_model_matches_unsplit(family, world, ring):
 
 def _two_heads(rank, world):
     from ds_ulysses_ext import UnsupportedError, enable_context_parallel
-    from ds_ulysses_ext.zigzag import auto_ring_size
+    from ds_ulysses_ext.attention.zigzag import auto_ring_size
     from tiny_models import tiny_model
     with pytest.raises(UnsupportedError, match="cp=4 does not divide the 2 query heads"):
         enable_context_parallel(tiny_model("llama", num_attention_heads=2, num_key_value_heads=1), init_topology(4))
@@ -230,7 +230,7 @@ def test_heads_cp_cannot_split_train_with_auto_ring():
 
 
 def test_auto_ring_size_by_hand():
-    from ds_ulysses_ext.zigzag import auto_ring_size, valid_ring_sizes
+    from ds_ulysses_ext.attention.zigzag import auto_ring_size, valid_ring_sizes
     assert auto_ring_size(8, 2, 4)[0] == 1          # Ulysses splits 8 / 2 heads over 4
     assert auto_ring_size(2, 1, 4)[0] == 2          # u = 2 splits them
     assert auto_ring_size(3, 3, 4)[0] == 4          # only u = 1: pure ring
@@ -283,7 +283,7 @@ def test_ring_model_refuses_a_contiguous_shard_and_a_padded_mask():
 # --- packed documents and sliding windows under the ring -----------------------------------------------------
 
 def _masked_reference(q, k, v, dout, cu, window, sinks):
-    from ds_ulysses_ext.masks import masked_attention
+    from ds_ulysses_ext.attention.masks import masked_attention
     q, k, v, sinks = (t.double().requires_grad_() for t in (q, k, v, sinks))
     out = masked_attention(q, k, v, causal=True, cu_seqlens=cu, window=window, sinks=sinks)
     (out * dout.double()).sum().backward()
@@ -291,7 +291,7 @@ def _masked_reference(q, k, v, dout, cu, window, sinks):
 
 
 def _check_masked(rank, world, ring, window, with_sinks, documents=True):
-    from ds_ulysses_ext.masks import cu_seqlens_of
+    from ds_ulysses_ext.attention.masks import cu_seqlens_of
     blocks_mod.QUERY_BLOCK = 3
     topo = init_topology(world, ring_size=ring)
     Sp = 16
@@ -398,7 +398,7 @@ def _count_skipped_blocks(rank, world, window, expected):
     # ring 4 over 32 tokens: 8 zigzag chunks of 4; rank r holds chunks r and 7 - r. With a window of at most a chunk,
     # a query sees keys of its own chunk and the one before only, so every step whose share holds neither is skipped;
     # the outputs and all gradients still equal the fp64 torch path
-    from ds_ulysses_ext.masks import masked_attention
+    from ds_ulysses_ext.attention.masks import masked_attention
     blocks_mod.QUERY_BLOCK = 3
     calls = {"forward": 0, "backward": 0}
     forward, backward = blocks_mod.block_forward, blocks_mod.block_backward

@@ -28,12 +28,12 @@ def test_auto_ring_for_heads_cp_cannot_split(tmp_path, monkeypatch):
     ref = train(tmp_path, "w1", 1, ZERO3 + WORLD_1 + TWO_HEADS)
     log_file = tmp_path / "layout.log"
     handler = logging.FileHandler(log_file)  # forked ranks inherit it; rank 0 alone logs the layout
-    logging.getLogger("engine.train").addHandler(handler)
-    logging.getLogger("engine.train").setLevel(logging.INFO)
+    logging.getLogger("engine.run.train").addHandler(handler)
+    logging.getLogger("engine.run.train").setLevel(logging.INFO)
     try:
         got = train(tmp_path, "w4_cp4_auto", 4, ZERO3 + TWO_HEADS + ["parallelism.cp=4", "parallelism.ring=auto"])
     finally:
-        logging.getLogger("engine.train").removeHandler(handler)
+        logging.getLogger("engine.run.train").removeHandler(handler)
     assert_same_trajectory(got, ref, "ring=auto")
     text = log_file.read_text()
     assert "cp layout: ring=2 (Ulysses groups of 2)" in text, text

@@ -1,4 +1,4 @@
-"""The ring's varlen block calls (ds_ulysses_ext/ring_varlen.py) on CPU: many packed documents as one call per block,
+"""The ring's varlen block calls (ds_ulysses_ext/attention/ring_varlen.py) on CPU: many packed documents as one call per block,
 a sliding window as one call per (query run, key run) pair with the kernel's own reach. The kernel is torch's
 varlen flash kernel, CUDA-only, so a CPU stand-in of its contract runs here (tests/test_flash_varlen.py's
 DenseStandIn, which applies flash's own argument rules); the whole ring at world 2 and 4 against masks.py's exact
@@ -7,7 +7,7 @@ torch path in fp64 (test_ring._check_masked, relative 1e-5). The real kernel's r
 import pytest
 import torch
 
-import ds_ulysses_ext.ring_varlen as varlen_mod
+import ds_ulysses_ext.attention.ring_varlen as varlen_mod
 from dist_harness import run_ranks
 from test_ring import _check_masked, blocks_mod
 
@@ -16,7 +16,7 @@ def _check_varlen_documents(rank, world, ring, with_sinks):
     # many packed documents: each block takes ONE varlen call (ring_varlen._VarlenBlock) instead of one call per
     # document part; a CPU stand-in of the varlen kernel's contract (tests/test_flash_varlen.py) runs it here.
     # With sinks the backward's call gets the output lowered by their log-sum-exp gradient
-    import ds_ulysses_ext.flash_varlen as flash_varlen
+    import ds_ulysses_ext.attention.flash_varlen as flash_varlen
     from test_flash_varlen import DenseStandIn
     calls = {"forward": 0, "backward": 0}
 
@@ -63,7 +63,7 @@ def test_varlen_plan_segments_the_documents_a_block_touches():
 def _check_varlen_window(rank, world, ring, window, with_sinks):
     # a window without documents: each block's (query run, key run) pairs that the window connects are one varlen
     # call each, with the kernel's own reach (ring_varlen._WindowBlock), through the CPU stand-in
-    import ds_ulysses_ext.flash_varlen as flash_varlen
+    import ds_ulysses_ext.attention.flash_varlen as flash_varlen
     from test_flash_varlen import DenseStandIn
     calls = []
 
@@ -101,7 +101,7 @@ def test_the_varlen_first_use_check_covers_a_window_longer_than_a_key_run(monkey
     # the GPU's first-use check must catch what the H200 showed (ring 4, window 1000, chunks of 512: a pair with
     # more queries than keys, whose right reach flash reads as unbounded past max_seqlen_k); through the stand-in,
     # which takes the reaches as flash does, it passes as shipped and fails without _max_k
-    import ds_ulysses_ext.flash_varlen as flash_varlen
+    import ds_ulysses_ext.attention.flash_varlen as flash_varlen
     from test_flash_varlen import DenseStandIn
     monkeypatch.setattr(flash_varlen, "KERNEL", DenseStandIn)
     cpu = torch.device("cpu")
@@ -114,7 +114,7 @@ def test_the_varlen_first_use_check_covers_a_window_longer_than_a_key_run(monkey
 def _count_plans(rank, world, ring):
     # the ring keeps each step's mask from the forward for the backward, so a block's varlen plan (its host copies)
     # is built once per step, not once in each direction
-    import ds_ulysses_ext.flash_varlen as flash_varlen
+    import ds_ulysses_ext.attention.flash_varlen as flash_varlen
     from test_flash_varlen import DenseStandIn
     flash_varlen.KERNEL = DenseStandIn
     varlen_mod.VARLEN_ON_CPU, varlen_mod.VARLEN_PARTS = True, 0

@@ -3,7 +3,7 @@
 The batch (16 tokens) is longer than each type's pretraining length (8, or 4 for yarn / llama3), so `dynamic`
 grows its base and `longrope` takes its long factors in the unsplit model while a rank's chunk alone would not
 (rank 0 sees positions < 8 at cp=2): without the global length those ranks rotate differently. 16 is a multiple
-of 2 and 4, so no pads enter the length (configs/validate.py asks for that for these two types).
+of 2 and 4, so no pads enter the length (configs/model.py check_rope asks for that for these two types).
 Compared: this rank's chunk of the logits, the loss, and every parameter gradient summed over the CP group.
 Types outside the checked list are refused at model time (and at config time: tests/test_configs.py).
 """
@@ -16,7 +16,7 @@ from cp_check import assert_share_matches_unsplit
 from dist_harness import run_ranks
 from ds_ulysses_ext import (CPCausalLM, Topology, UnsupportedError, enable_context_parallel, init_topology,
                             shard_batch)
-from ds_ulysses_ext.layout import chunk_bounds
+from ds_ulysses_ext.attention.layout import chunk_bounds
 from tiny_models import tiny_model
 
 RTOL = 1e-5

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, GptOssConfig
 from cp_reference import cp_loss_and_grads, rel
 from dist_harness import run_ranks
 from ds_ulysses_ext import enable_context_parallel, init_topology
-from ds_ulysses_ext.masks import masked_attention
+from ds_ulysses_ext.attention.masks import masked_attention
 from tiny_models import tiny_model
 
 RTOL = 1e-5

@@ -15,8 +15,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeForCausalLM, Qwen3MoeSparseMoeBlock
 
-from .layer import MoEBlock, SwiGLU
 from .experts import GroupedExperts
+from .layer import MoEBlock, SwiGLU
 from .router import TopKRouter
 
 LATENT_ALIGN = 512  # DeepEP's strictest divisibility (UE8M0 scales per 512 channels) holds for every multiple

@@ -5,7 +5,7 @@
   `MoEBlock`s already.
 - Each block keeps experts [ep_rank * E/ep, (ep_rank + 1) * E/ep) of its EP group and gets the model's one
   `MoEContext` (dispatcher over the EP group, the CP group for the balance statistics).
-- Under ZeRO-3 the expert parameters are marked for DeepSpeed as expert-parallel (engine/ds_patches.py says how)
+- Under ZeRO-3 the expert parameters are marked for DeepSpeed as expert-parallel (engine/ds/patches.py says how)
   before `deepspeed.initialize` partitions them, over their expert-data-parallel group.
 Works on an already ZeRO-3-partitioned model (weights are gathered block by block) and on a plain one.
 """

@@ -31,6 +31,19 @@ log = logging.getLogger(__name__)
 
 QUERY_BLOCK = 2048  # query rows per kernel block: bounds the fp32 logits to QUERY_BLOCK x key share
 
+# Block plans that replace this module's kernels for some masks: (q, mask) -> a plan with forward/backward, or
+# None. ring_varlen.py registers its varlen calls (packed documents, windows) here: it builds on this module's
+# mask and torch kernel, so it sits above it, and a table keeps this module from importing it back.
+PLANNERS: list = []
+
+
+def _planned(q, mask):
+    for planner in PLANNERS:
+        plan = planner(q, mask)
+        if plan is not None:
+            return plan
+    return None
+
 
 # --- the per-block kernel: [B h Lq D] x [B hkv Lk D] -> out [B h Lq D] fp32, lse [B h Lq] fp32 ------------
 
@@ -141,7 +154,7 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
 def block_forward(q, k, v, scale: float, mask: BlockMask):
     """Attention of q against one K|V block, with its log-sum-exp (-inf for a row that sees none of its keys)."""
     h = q.shape[1]
-    varlen = ring_varlen.varlen_block(q, mask) or ring_varlen.window_block(q, mask)
+    varlen = _planned(q, mask)
     if varlen is not None:  # many packed documents, or a window: varlen calls (ring_varlen.py)
         return varlen.forward(q, k, v, scale)
     k, v = _expand(k, h), _expand(v, h)
@@ -180,7 +193,7 @@ def block_backward(q, k, v, dout, lse, delta, scale: float, mask: BlockMask, out
     """dq, dk, dv (fp32) of one block, from the MERGED log-sum-exp and delta = rowsum(dout * out) of the whole row
     (`out`: the merged output of these rows, which the fused kernel takes in place of delta)."""
     h, hkv = q.shape[1], k.shape[1]
-    varlen = (ring_varlen.varlen_block(q, mask) or ring_varlen.window_block(q, mask)) if out is not None else None
+    varlen = _planned(q, mask) if out is not None else None
     if varlen is not None:
         return varlen.backward(dout, q, k, v, out, lse, scale)
     parts = _fused_parts(q, mask) if out is not None else None
@@ -394,6 +407,3 @@ def _check(kernel, device, dtype, D: int) -> bool:
              device, dtype)
     return True
 
-
-# the varlen block calls build on this module's mask, flag and torch kernel, so they are imported after them
-from . import ring_varlen  # noqa: E402

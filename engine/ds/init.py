@@ -29,7 +29,7 @@ def _rule(name: str, shape: torch.Size) -> str:
     if len(shape) >= 2:
         return "normal"
     raise ValueError(f"no random-init rule for parameter {name!r} of shape {tuple(shape)}; "
-                     "load weights with model.source=pretrained or extend engine/init.py")
+                     "load weights with model.source=pretrained or extend engine/ds/init.py")
 
 
 def _value(name: str, shape: torch.Size, std: float, generator: torch.Generator) -> torch.Tensor:

@@ -5,7 +5,7 @@ hq = Hq / cp and hkv local heads after the exchange, D head dim, cp the context-
 """
 from __future__ import annotations
 
-from .errors import UnsupportedError
+from ..errors import UnsupportedError
 
 
 def kv_replication(num_q_heads: int, num_kv_heads: int, cp: int) -> int:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from ds_ulysses_ext import IGNORE_INDEX, Topology, shard_batch
 
-from .data import build_dataset, collate
+from ..data import build_dataset, collate
 
 
 def eval_set(data_cfg, dataset: Sequence[dict], seed: int, vocab_size: int) -> tuple[int, Sequence[dict], list[int]]:

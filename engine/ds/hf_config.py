@@ -1,7 +1,7 @@
 """The HF model config for a ModelConfig, without building the model (cheap; used before model load)."""
 from __future__ import annotations
 
-from ds_ulysses_ext.layout import padded_length
+from ds_ulysses_ext.attention.layout import padded_length
 
 
 def hf_config_of(model_cfg):

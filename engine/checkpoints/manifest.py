@@ -1,5 +1,5 @@
 """A checkpoint's manifest: every file's size and SHA-256, written before `latest` names the checkpoint and
-checked before a resume reads any of it (engine/checkpoint.py decides what a damaged one leads to).
+checked before a resume reads any of it (engine/checkpoints/checkpoint.py decides what a damaged one leads to).
 
 A disk that fills after the save, or a copy cut short, leaves a file shorter than it was written; torch and
 json then fail deep inside the load with errors that name no checkpoint (and a model-state file can fail on

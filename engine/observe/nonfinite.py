@@ -2,13 +2,13 @@
 
 Both numbers are global (all-reduced), so every rank reaches the same verdict and no rank waits alone in a
 collective. The gradient norm is non-finite whenever any gradient element is, so it stands in for DeepSpeed's
-per-tensor overflow scan, which trainer.on_nonfinite=skip alone turns on (engine/ds_config.py).
+per-tensor overflow scan, which trainer.on_nonfinite=skip alone turns on (engine/ds/config.py).
 """
 from __future__ import annotations
 
 import math
 
-from .step import StepResult
+from ..run.step import StepResult
 
 
 class NonFiniteStep(RuntimeError):

@@ -2,7 +2,7 @@
 or from any saved checkpoint of a run afterwards, in one CPU process.
 
 The second is for what the first cannot serve: a mid-run checkpoint to evaluate, and a run that must go on
-where its optimizer state cannot follow (e.g. onto one rank, engine/reshard.py): a new run from the export,
+where its optimizer state cannot follow (e.g. onto one rank, engine/checkpoints/reshard.py): a new run from the export,
 `model.source=pretrained model.path=<export>`, with a fresh optimizer state.
 """
 from __future__ import annotations
@@ -15,10 +15,10 @@ import torch.distributed as dist
 
 from configs import to_dataclass
 
+from ..data.tokenizer import tokenizer_of
+from ..ds.build import hf_attn, model_dtype, no_init_weights
+from ..ds.hf_config import hf_config_of
 from . import checkpoint
-from .build import hf_attn, model_dtype, no_init_weights
-from .data.tokenizer import tokenizer_of
-from .hf_config import hf_config_of
 
 _PREFIX = "hf."  # CPCausalLM holds the HF model as `.hf`
 

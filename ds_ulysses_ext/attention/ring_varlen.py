@@ -19,7 +19,7 @@ import torch
 
 from . import flash_varlen
 from .kernel_check import first_disagreement, fused_shape_ok, isolated
-from .ring_blocks import BlockMask, _expand, _fused_flag, _torch_block_backward, _torch_block_forward, merge
+from .ring_blocks import PLANNERS, BlockMask, _expand, _fused_flag, _torch_block_backward, _torch_block_forward, merge
 
 log = logging.getLogger(__name__)
 
@@ -254,3 +254,7 @@ def _check_varlen(device, dtype, D: int) -> bool:
                                "kernel does; set parallelism.ring=1 or report this")
     log.info("ring attention: varlen block kernel checked against the torch kernel on %s in %s", device, dtype)
     return True
+
+
+# checked in this order: a many-document block takes the varlen call before its window is looked at
+PLANNERS.extend((varlen_block, window_block))

@@ -25,8 +25,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..comm import group_size
 from .backends import local_attention
-from .comm import group_size, head_to_seq, seq_to_head
+from .exchange import head_to_seq, seq_to_head
 from .layout import kv_replication
 
 

@@ -1,7 +1,7 @@
 """to_deepspeed_dict: the only module that spells DeepSpeed JSON keys.
 
 The gradient-reduction path is pinned here (ZeRO-3 reduce_scatter on, no pre/post-divide tricks) so
-that engine/grad_reduction.py can state the exact scale, and the engine checks the path at start-up.
+that engine/ds/grad_reduction.py can state the exact scale, and the engine checks the path at start-up.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def effective_zero_stage(cfg: TrainConfig, plan: Plan) -> int:
 
 
 def to_deepspeed_dict(cfg: TrainConfig, plan: Plan, load_universal: bool = False) -> dict:
-    """`load_universal`: the resume loads a re-partitioned copy (engine/reshard.py)."""
+    """`load_universal`: the resume loads a re-partitioned copy (engine/checkpoints/reshard.py)."""
     ds = cfg.deepspeed
     stage = effective_zero_stage(cfg, plan)
     zero: dict = {

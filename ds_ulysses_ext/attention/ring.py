@@ -44,12 +44,14 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .attention import heads_exchange
-from .comm import group_size, head_to_seq
+from ..comm import group_size
+from ..errors import UnsupportedError
 from . import ring_blocks as blocks
-from .errors import UnsupportedError
+from . import ring_varlen  # noqa: F401  registers the varlen block calls with ring_blocks
+from .exchange import head_to_seq
 from .masks import document_ids
 from .ring_blocks import BlockMask
+from .ulysses import heads_exchange
 
 log = logging.getLogger(__name__)
 

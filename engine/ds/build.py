@@ -17,12 +17,12 @@ from ds_ulysses_ext.memory import ProbeResult, apply_memory_policies
 from ds_ulysses_ext.moe import moe_blocks
 from ds_ulysses_ext.moe.parallel import MoESettings, enable_expert_parallel, expert_parameters
 
+from ..run.schedule import build_scheduler
+from .config import optimizer_params, to_deepspeed_dict
+from .grad_reduction import check_engine
 from .hf_config import hf_config_of
 from .init import init_random_weights
-from .ds_config import optimizer_params, to_deepspeed_dict
-from .ds_patches import mark_expert_parallel
-from .grad_reduction import check_engine
-from .schedule import build_scheduler
+from .patches import mark_expert_parallel
 
 try:  # transformers >= 5; an older one builds with HF's own init, on the CPU, as before
     from transformers.initialization import no_init_weights
@@ -108,7 +108,7 @@ def build(cfg: TrainConfig, plan: Plan, topo: Topology, device: torch.device, lo
     model = CPCausalLM(hf, loss_chunk_size=cfg.trainer.loss_chunk_size, fused_loss=cfg.trainer.fused_loss)
     if stage != cfg.deepspeed.zero_stage:
         log.info("deepspeed.zero_stage=%d on one rank runs as ZeRO-%d: same memory, less per-step overhead "
-                 "(engine/ds_config.py)", cfg.deepspeed.zero_stage, stage)
+                 "(engine/ds/config.py)", cfg.deepspeed.zero_stage, stage)
     if stage != 3:
         model.to(device)
     optimizer = None

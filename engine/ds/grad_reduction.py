@@ -43,7 +43,7 @@ def check_engine(engine, plan: Plan) -> float:
         problems.append("ZeRO's partition group is not all dp x cp ranks")
     if stage == 3:
         # expert shards (ep > 1) are partitioned over their expert-data-parallel group, world / ep ranks, and
-        # marked so that ZeRO-3 averages them by the world size like the rest (engine/ds_patches.py)
+        # marked so that ZeRO-3 averages them by the world size like the rest (engine/ds/patches.py)
         for p in engine.module.parameters():
             if not hasattr(p, "ds_process_group"):
                 continue

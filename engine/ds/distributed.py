@@ -50,7 +50,7 @@ def init_distributed(rt: Runtime) -> None:
     os.environ.setdefault("WORLD_SIZE", str(rt.world_size))
     os.environ.setdefault("LOCAL_RANK", str(rt.local_rank))
     import deepspeed
-    from .ds_patches import one_pass_zero2_grad_norm, skip_deepspeed_shm_build
+    from .patches import one_pass_zero2_grad_norm, skip_deepspeed_shm_build
     skip_deepspeed_shm_build()
     one_pass_zero2_grad_norm()
     if not torch.distributed.is_initialized():

@@ -8,7 +8,7 @@ CP; greedy generate() gives the same verdict, the test of this module checks). E
 contiguous chunk of the sequence and with it the logits of the answer positions inside the chunk: it runs
 lm_head on those n rows only ([n, V], never [B, s, V]) and counts its hits per row; the counts are summed
 over the CP group, and a row is right when its hits equal its answer tokens. dp ranks take different
-samples (the held-out loss's split, engine/evaluate.py): every rank runs the same forwards, as ZeRO-3's
+samples (the held-out loss's split, engine/run/evaluate.py): every rank runs the same forwards, as ZeRO-3's
 collective gathers need, padded with a fully masked sample that counts nowhere.
 
 Grid samples come from their own stream (engine/data/passkey.py grid_sample), never from training indices.
@@ -24,8 +24,8 @@ import torch.distributed as dist
 
 from ds_ulysses_ext import IGNORE_INDEX, Topology, shard_batch
 
-from .data import collate
-from .data.passkey import PasskeyTask, grid_sample
+from ..data import collate
+from ..data.passkey import PasskeyTask, grid_sample
 from .evaluate import local_eval_batches
 
 

@@ -2,7 +2,7 @@
 
 `logging.profile_step=N` profiles step N (1-based) on every rank and writes, under run.out_dir,
 `profile_step{N}_rank{r}.json` (a Chrome/Perfetto trace) and `profile_step{N}_rank{r}.txt` (the ops by
-self device time on GPU, self CPU time on CPU). The phases of engine/step.py appear in both as
+self device time on GPU, self CPU time on CPU). The phases of engine/run/step.py appear in both as
 `phase.forward`, `phase.backward` and `phase.optimizer`. Only that one step pays the profiler's overhead:
 its metrics line is marked `"profiled": true` so that nobody reads its step time as a normal one.
 """

@@ -1,4 +1,4 @@
-"""Save, find and resume checkpoints (HF exports: engine/export.py).
+"""Save, find and resume checkpoints (HF exports: engine/checkpoints/export.py).
 
 Layout under <run.out_dir>/checkpoints/:  step_00000004/ (DeepSpeed's files + rng_rank<r>.pt) and
 `latest`, a one-line file naming the newest COMPLETE tag. `latest` is replaced atomically by rank 0
@@ -9,7 +9,7 @@ with save_every would otherwise fill its disk and die in a save). Like `latest`,
 one filesystem that all ranks share. The data order is a pure function of (seed, step) (engine/data/sampler.py), so
 the step number, DeepSpeed's optimizer/scheduler state and the RNG states are all a resume needs.
 
-Before `latest` moves, the ranks write the checkpoint's manifest (engine/manifest.py: each file's size and
+Before `latest` moves, the ranks write the checkpoint's manifest (engine/checkpoints/manifest.py: each file's size and
 SHA-256). A resume verifies it before reading anything else; a damaged checkpoint stops the run naming the
 file (trainer.on_corrupt_checkpoint=abort) or the run resumes from the newest older checkpoint that verifies
 (fallback). Either way every rank takes the same branch, from the verdicts of all of them. Going back is exact
@@ -34,7 +34,7 @@ from . import manifest
 log = logging.getLogger(__name__)
 
 
-LAYOUT_FILE = "optimizer_layout.json"  # what the saved ZeRO state is partitioned for (engine/reshard.py)
+LAYOUT_FILE = "optimizer_layout.json"  # what the saved ZeRO state is partitioned for (engine/checkpoints/reshard.py)
 _FIX = ("restore the checkpoint from a copy, point checkpoints/latest at an older tag, or start over with "
         "trainer.resume=false or a new run.out_dir")
 
@@ -98,7 +98,7 @@ def check_resume_compatible(saved: dict, current: dict) -> None:
 
 def save(engine, out_dir: Path, step: int, rank: int, fingerprint: dict | None = None, keep: int = 0,
          layout: dict | None = None) -> str:
-    """`layout`: engine/reshard.py's optimizer_layout, which a resume on other ranks is checked against."""
+    """`layout`: engine/checkpoints/reshard.py's optimizer_layout, which a resume on other ranks is checked against."""
     tag = tag_of(step)
     root = ckpt_root(out_dir)
     engine.save_checkpoint(str(root), tag=tag, client_state={"step": step}, save_latest=False)
@@ -217,7 +217,7 @@ def check_resume(out_dir: Path, tag: str, fingerprint: dict) -> None:
 def load(engine, out_dir: Path, tag: str, rank: int, load_root: Path | None = None) -> int:
     """Restore engine state and RNG; returns the number of optimizer steps already done.
 
-    `load_root`: where the tag's folder is, when not checkpoints/ (a resharded copy, engine/reshard.py). Such
+    `load_root`: where the tag's folder is, when not checkpoints/ (a resharded copy, engine/checkpoints/reshard.py). Such
     a copy has no RNG states for the new ranks; they keep their own, which only dropout would read (the data
     order is a function of the step)."""
     root = load_root or ckpt_root(out_dir)

@@ -5,7 +5,7 @@ as many ranks at the same ZeRO stage: a changed world size fails inside DeepSpee
 changed stage with a bare AssertionError. Megatron's and DCP's checkpoints re-shard on load; users coming from
 them expect a resume on fewer or more GPUs to work.
 
-So each checkpoint records its layout (world size, the ZeRO stage that really ran: engine/ds_config.py runs
+So each checkpoint records its layout (world size, the ZeRO stage that really ran: engine/ds/config.py runs
 ZeRO-3 on one rank as ZeRO-2). At resume:
 - same layout: DeepSpeed loads it as saved;
 - another world size, this run on ZeRO-3 (the checkpoint on ZeRO-3, or on ZeRO-2, e.g. a 1-rank run): rank 0
@@ -73,7 +73,7 @@ def needs_reshard(out_dir: Path, tag: str, layout: dict, allowed: bool) -> dict 
         f"and {why}. Resume on {saved['world_size']} rank(s) with the same deepspeed preset (parallelism.cp may "
         "change: the trajectory stays exact), or start a new run.out_dir from the weights alone (the optimizer "
         f"state starts fresh): `python scripts/export_hf.py {out_dir} --tag {tag}`, then model.source=pretrained "
-        "model.path=<that export>. Note: deepspeed.zero_stage=3 on one rank runs as ZeRO-2 (engine/ds_config.py); "
+        "model.path=<that export>. Note: deepspeed.zero_stage=3 on one rank runs as ZeRO-2 (engine/ds/config.py); "
         "deepspeed.offload_param=true keeps one rank on ZeRO-3, which this checkpoint can be re-partitioned into")
 
 

@@ -2,7 +2,7 @@
 
 The rule: no other module (library, engine, scripts, tests) patches DeepSpeed. A patch here changes how
 DeepSpeed does something, never what it computes (beyond rounding), and says which DeepSpeed version it was written against;
-each is idempotent, so callers may apply it more than once (tests do). engine/distributed.py applies them
+each is idempotent, so callers may apply it more than once (tests do). engine/ds/distributed.py applies them
 before the process group exists; tests/dist_harness.py applies the shm skip for the multi-rank tests.
 """
 from __future__ import annotations
@@ -75,7 +75,7 @@ def mark_expert_parallel(expert_params, topology) -> None:
       another rank's different experts (without it every parameter is partitioned over all ranks);
     - family "autoep_expert" with a registered group name: ZeRO-3 then averages the gradient by the world size,
       as it does dense gradients (stage3 `_gradient_averaging_world_size`), so the engine's one loss scale
-      (dp x cp, engine/grad_reduction.py) is exact for experts too, and it adds the expert sub-groups' squared
+      (dp x cp, engine/ds/grad_reduction.py) is exact for experts too, and it adds the expert sub-groups' squared
       norms over the EP group (`get_grad_norm_direct`), so the norm covers every expert once.
     The group name is put into DeepSpeed's own registry of expert groups (`deepspeed.utils.groups`), which is
     where that code looks it up. Tested for exactness against one process (tests/test_moe_engine.py).

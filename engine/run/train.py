@@ -16,27 +16,27 @@ import torch.distributed as dist
 
 from configs import Plan, TrainConfig
 from ds_ulysses_ext import init_topology
-from ds_ulysses_ext.masks import cu_seqlens_of
+from ds_ulysses_ext.attention.masks import cu_seqlens_of
 
-from . import checkpoint
-from .build import build, is_moe, moe_step_end
-from .data import GlobalBatchSampler, build_dataset, collate, pad_id_of
-from .distributed import Runtime, cp_group_node_spans, cp_placement_warning
-from .ds_config import effective_zero_stage
+from ..checkpoints import checkpoint
+from ..checkpoints.export import export_hf
+from ..checkpoints.preemption import Preemption
+from ..checkpoints.reshard import finish_reshard, needs_reshard, optimizer_layout, to_universal
+from ..data import GlobalBatchSampler, build_dataset, collate, pad_id_of
+from ..ds.build import build, is_moe, moe_step_end
+from ..ds.config import effective_zero_stage
+from ..ds.distributed import Runtime, cp_group_node_spans, cp_placement_warning
+from ..ds.hf_config import hf_config_of, position_warning
+from ..observe.flops import attention_sq, count_params, detect_peak_tflops, layer_windows, step_flops
+from ..observe.host_memory import log_offload_estimate
+from ..observe.nonfinite import NonFiniteStep, judge, skipped_warning
+from ..observe.oom import oom_advice
+from ..observe.plot import plot_loss
+from ..observe.profile import maybe_profile
+from ..observe.tracking import Tracker
 from .evaluate import eval_set, evaluate
-from .export import export_hf
-from .flops import attention_sq, count_params, detect_peak_tflops, layer_windows, step_flops
-from .hf_config import hf_config_of, position_warning
-from .host_memory import log_offload_estimate
-from .nonfinite import NonFiniteStep, judge, skipped_warning
-from .oom import oom_advice
-from .plot import plot_loss
-from .preemption import Preemption
-from .profile import maybe_profile
-from .reshard import finish_reshard, needs_reshard, optimizer_layout, to_universal
 from .retrieval import log_retrieval
 from .step import train_step
-from .tracking import Tracker
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from ds_ulysses_ext import IGNORE_INDEX, Topology, shard_batch
 
-from .profile import phase
+from ..observe.profile import phase
 
 
 @dataclass

@@ -29,9 +29,9 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from .errors import UnsupportedError
-from .kernel_check import HALF
+from ..errors import UnsupportedError
 from . import flash_varlen
+from .kernel_check import HALF
 from .masks import masked_attention
 
 log = logging.getLogger(__name__)

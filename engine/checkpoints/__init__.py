@@ -1,0 +1,1 @@
+"""Checkpoints: save and resume, the manifest that guards them, resharding onto other ranks, HF exports, preemption."""
