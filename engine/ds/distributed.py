@@ -50,9 +50,10 @@ def init_distributed(rt: Runtime) -> None:
     os.environ.setdefault("WORLD_SIZE", str(rt.world_size))
     os.environ.setdefault("LOCAL_RANK", str(rt.local_rank))
     import deepspeed
-    from .patches import one_pass_zero2_grad_norm, skip_deepspeed_shm_build
+    from .patches import clip_inside_fused_adam, one_pass_zero2_grad_norm, skip_deepspeed_shm_build
     skip_deepspeed_shm_build()
     one_pass_zero2_grad_norm()
+    clip_inside_fused_adam()
     if not torch.distributed.is_initialized():
         deepspeed.init_distributed(dist_backend="nccl" if rt.device.type == "cuda" else "gloo")
 

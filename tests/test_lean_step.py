@@ -1,0 +1,59 @@
+"""engine.ds.patches.clip_inside_fused_adam: ZeRO-1/2's clip coefficient handed to torch's fused AdamW as its
+`grad_scale` instead of a separate multiply over every gradient. The same step as DeepSpeed's own, within fp32
+rounding (g / c against g x (1 / c)), for clipped and unclipped steps, at world 1 and 2."""
+import pytest
+import torch
+
+from dist_harness import patch_deepspeed_shm_build, run_ranks
+
+
+def _engine(clip):
+    import deepspeed
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": clip, "zero_optimization": {"stage": 2},
+              "zero_allow_untested_optimizer": True}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    return engine
+
+
+def _steps(engine, rank, n=3):
+    gen = torch.Generator().manual_seed(7 + rank)
+    for _ in range(n):
+        x = torch.randn(2, 16, generator=gen) * 30  # large inputs: the norm exceeds a clip of 0.1
+        engine.backward(engine(x).square().sum())
+        engine.step()
+    return torch.cat([p.detach().flatten() for p in engine.module.parameters()])
+
+
+def _check(rank, world, clip):
+    import deepspeed
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    patch_deepspeed_shm_build()
+    deepspeed.init_distributed(dist_backend="gloo")
+    theirs = _steps(_engine(clip), rank)
+    multiplies = []
+    original_mul = torch.Tensor.mul_
+
+    from engine.ds.patches import clip_inside_fused_adam
+    clip_inside_fused_adam()
+    engine = _engine(clip)
+    torch.Tensor.mul_ = lambda self, *a, **k: (multiplies.append(self.numel()), original_mul(self, *a, **k))[1]
+    try:
+        ours = _steps(engine, rank)
+    finally:
+        torch.Tensor.mul_ = original_mul
+    assert DeepSpeedZeroOptimizer.unscale_and_clip_grads._into_fused_adam
+    flat = sum(p.numel() for p in engine.module.parameters())
+    assert not [n for n in multiplies if n >= flat // world], "a separate pass over the gradient partition ran"
+    if clip > 0:  # the coefficient reached the fused kernel: the norm of these inputs is far above the clip
+        assert float(engine.optimizer.optimizer.grad_scale) > 1.0
+    err = float((ours - theirs).norm() / theirs.norm())
+    assert err < 1e-6, err
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("clip", [0.1, 0.0], ids=["clipped", "unclipped"])
+def test_clip_inside_fused_adam_matches_deepspeed(world, clip):
+    run_ranks(_check, world, clip)
