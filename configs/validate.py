@@ -20,6 +20,7 @@ from configs.moe import check_moe
 from configs.parallel import MASTER_WEIGHTS, check_deepspeed, check_parallelism, resolve_ring
 from configs.train import DEVICES, PRECISIONS, TrainConfig
 from configs.trainer import check_batch, check_eval, check_trainer
+from ds_ulysses_ext.kernels import KERNEL_MODES
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,7 @@ def _check_choices(cfg: TrainConfig) -> None:
     )
     one_of("model.source", cfg.model.source, MODEL_SOURCES)
     one_of("model.attn_backend", cfg.model.attn_backend, ATTN_BACKENDS)
+    one_of("model.kernels", cfg.model.kernels, KERNEL_MODES)
     one_of("data.source", cfg.data.source, DATA_SOURCES, " (presets: data=synthetic, data=demo, data=jsonl)")
     one_of("data.format", cfg.data.format, DATA_FORMATS)
     one_of("data.overlong", cfg.data.overlong, OVERLONG_POLICIES)

@@ -291,3 +291,29 @@ def test_ring_with_a_window_through_varlen_calls_reassembles_exact_attention(R, 
     q, k, v, dout = _ring_inputs(S, D, seed=7)
     check_ring(q, k, v, dout, R, window, rtol=TOL)
     assert calls and all(left + right == window - 1 for left, right in calls), calls
+
+
+@pytest.mark.parametrize("weight_in_fp32", [False, True], ids=["llama_order", "gpt_oss_order"])
+@pytest.mark.parametrize("name", ["liger", "compile"])
+def test_fused_per_token_kernels_match_fp32(name, weight_in_fp32):
+    """ds_ulysses_ext.kernels: RMSNorm (width 2048) and the SwiGLU product (width 8192) in bf16, forward and backward,
+    through the checked provider, against the reference in fp32."""
+    from ds_ulysses_ext.kernels import providers, reference
+    if name == "liger" and not providers.liger_available():
+        pytest.skip("Liger-Kernel is not installed")
+    provider = providers.provider_for(name, torch.device("cuda"))
+    assert provider.name == name
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(4, 1024, 2048, device="cuda", generator=gen)
+    w = 1 + 0.2 * torch.randn(2048, device="cuda", generator=gen)
+    gate, up = (torch.randn(4, 1024, 8192, device="cuda", generator=gen) for _ in range(2))
+    for op, inputs in (("rms_norm", (x, w)), ("silu_mul", (gate, up))):
+        results = []
+        for fn, dtype in ((getattr(provider, op), torch.bfloat16), (getattr(reference, op), torch.float32)):
+            leaves = [t.to(dtype).requires_grad_() for t in inputs]
+            out = fn(*leaves, 1e-5, weight_in_fp32) if op == "rms_norm" else fn(*leaves)
+            out.backward(torch.ones_like(out))
+            results.append([out] + [t.grad for t in leaves])
+        for got, ref in zip(*results):
+            assert got.dtype == torch.bfloat16
+            assert _rel(got, ref) < TOL, (op, _rel(got, ref))

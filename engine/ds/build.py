@@ -13,6 +13,7 @@ import torch
 from configs import Plan, TrainConfig
 from configs.moe import deepep_tokens_per_rank
 from ds_ulysses_ext import CPCausalLM, Topology, enable_context_parallel
+from ds_ulysses_ext.kernels import apply_fused_kernels
 from ds_ulysses_ext.memory import ProbeResult, apply_memory_policies
 from ds_ulysses_ext.moe import moe_blocks
 from ds_ulysses_ext.moe.parallel import MoESettings, enable_expert_parallel, expert_parameters
@@ -104,6 +105,8 @@ def build(cfg: TrainConfig, plan: Plan, topo: Topology, device: torch.device, lo
         enable_expert_parallel(hf, topo, moe_settings(cfg))
         if topo.ep_size > 1:
             mark_expert_parallel(expert_parameters(hf), topo)  # before deepspeed.initialize partitions them
+    # before the memory policies: they wrap these forwards (a tiled MLP runs the fused product per tile)
+    apply_fused_kernels(hf, cfg.model.kernels, device)
     policies = _apply_memory(hf, cfg)
     model = CPCausalLM(hf, loss_chunk_size=cfg.trainer.loss_chunk_size, fused_loss=cfg.trainer.fused_loss)
     if stage != cfg.deepspeed.zero_stage:

@@ -1,0 +1,137 @@
+"""Who computes the fused ops: Liger-Kernel, torch.compile, or the eager reference; and the first-use check.
+
+Shapes: x [..., H], weight [H] -> [..., H]; gate, up [..., I] -> [..., I].
+
+Liger is imported lazily (a GPU extra). Its RMSNorm casting modes are the two HF orders of reference.rms_norm:
+"llama" casts before the weight, "gemma" (offset 0) scales in fp32. The first call of each (op, dtype, width)
+runs the provider and the reference in fp32 on a small input of that width, forward and backward, and stops the
+run with the fix if they disagree: a wrong kernel must not train silently.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+
+import torch
+
+from ..attention.kernel_check import isolated
+from ..errors import UnsupportedError
+from . import reference
+
+log = logging.getLogger(__name__)
+
+KERNEL_MODES = ("auto", "liger", "compile", "none")
+TOLERANCE = 1e-4  # fp32 inputs: a fused kernel differs from the reference by rounding (~1e-6)
+
+
+class Provider:
+    name = "reference"
+
+    def rms_norm(self, x, weight, eps, weight_in_fp32):
+        return reference.rms_norm(x, weight, eps, weight_in_fp32)
+
+    def silu_mul(self, gate, up):
+        return reference.silu_mul(gate, up)
+
+
+class LigerProvider(Provider):
+    name = "liger"
+
+    def __init__(self):
+        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+        from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+        self._norm, self._silu_mul = LigerRMSNormFunction, LigerSiLUMulFunction
+
+    def rms_norm(self, x, weight, eps, weight_in_fp32):
+        # in_place=False: the input is the residual stream, which the decoder still adds to
+        return self._norm.apply(x, weight, eps, 0.0, "gemma" if weight_in_fp32 else "llama", False)
+
+    def silu_mul(self, gate, up):
+        return self._silu_mul.apply(gate, up)
+
+
+class CompileProvider(Provider):
+    name = "compile"
+
+    def __init__(self):
+        self._norm = torch.compile(reference.rms_norm, dynamic=False, fullgraph=True)
+        self._silu_mul = torch.compile(reference.silu_mul, dynamic=False, fullgraph=True)
+
+    def rms_norm(self, x, weight, eps, weight_in_fp32):
+        return self._norm(x, weight, eps, weight_in_fp32)
+
+    def silu_mul(self, gate, up):
+        return self._silu_mul(gate, up)
+
+
+def liger_available() -> bool:
+    return importlib.util.find_spec("liger_kernel") is not None
+
+
+def provider_for(mode: str, device: torch.device):
+    """None: keep HF's modules. CPU always does (the reference path); `liger` without Liger is refused."""
+    if mode == "none" or device.type != "cuda":
+        return None
+    if mode == "liger" or (mode == "auto" and liger_available()):
+        if not liger_available():
+            raise UnsupportedError("model.kernels=liger needs Liger-Kernel (pip install liger-kernel==0.8.5); "
+                                   "or set model.kernels=compile or model.kernels=none")
+        return Checked(LigerProvider())
+    return Checked(CompileProvider())
+
+
+class Checked(Provider):
+    """A provider whose every (op, dtype, width) is checked once against the reference before it is used."""
+
+    def __init__(self, inner: Provider):
+        self.inner, self.name = inner, inner.name
+
+    def rms_norm(self, x, weight, eps, weight_in_fp32):
+        _check_norm(self.inner, x.device, x.dtype, x.shape[-1], weight.dtype, eps, weight_in_fp32)
+        return self.inner.rms_norm(x, weight, eps, weight_in_fp32)
+
+    def silu_mul(self, gate, up):
+        _check_silu_mul(self.inner, gate.device, gate.dtype, gate.shape[-1])
+        return self.inner.silu_mul(gate, up)
+
+
+@functools.lru_cache(maxsize=None)
+def _check_norm(provider, device, dtype, H, wdtype, eps, weight_in_fp32) -> None:
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(64, H, device=device, generator=gen)
+    w = 1 + 0.1 * torch.randn(H, device=device, generator=gen)
+    with isolated():
+        res = []
+        for fn in (provider.rms_norm, reference.rms_norm):
+            xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+            out = fn(xl, wl, eps, weight_in_fp32)
+            out.backward(torch.ones_like(out) + out.detach())
+            res.append((out.detach(), xl.grad, wl.grad))
+    _agree("rms_norm", provider, res)
+    log.info("fused rms_norm (%s) checked against the eager reference on %s (width %d; runs in %s)",
+             provider.name, device, H, dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _check_silu_mul(provider, device, dtype, I) -> None:
+    gen = torch.Generator(device=device).manual_seed(0)
+    gate, up = torch.randn(64, I, device=device, generator=gen), torch.randn(64, I, device=device, generator=gen)
+    with isolated():
+        res = []
+        for fn in (provider.silu_mul, reference.silu_mul):
+            g, u = gate.clone().requires_grad_(), up.clone().requires_grad_()
+            out = fn(g, u)
+            out.backward(torch.ones_like(out) + out.detach())
+            res.append((out.detach(), g.grad, u.grad))
+    _agree("silu_mul", provider, res)
+    log.info("fused silu_mul (%s) checked against the eager reference on %s (width %d; runs in %s)",
+             provider.name, device, I, dtype)
+
+
+def _agree(op, provider, res) -> None:
+    for got, ref in zip(*res):
+        err = float((got.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
+        if not err < TOLERANCE:
+            raise RuntimeError(f"fused {op} ({provider.name}) disagrees with the eager reference (relative error "
+                               f"{err:.2e}); set model.kernels=none (or another provider) and report this")

@@ -1,0 +1,104 @@
+"""ds_ulysses_ext.kernels: the fused per-token ops bound to a model instance, on CPU.
+
+On CPU no provider is chosen (HF's eager modules are the reference), so the binding is exercised with the
+reference functions as a stand-in provider, in bf16, where the two RMSNorm orders (cast before the weight, or scale
+in fp32: GPT-OSS) round differently: the bound model must give bitwise HF's logits and gradients. The first-use
+check must stop a provider that disagrees with the reference. GPU providers: tests/test_gpu_paths.py.
+"""
+import pytest
+import torch
+
+from ds_ulysses_ext.kernels import apply_fused_kernels
+from ds_ulysses_ext.kernels import providers
+from ds_ulysses_ext.kernels.providers import Checked, Provider
+
+FAMILIES = {  # family: (extra HF config, RMSNorms bound, SwiGLU MLPs bound) for 2 layers
+    "llama": ({}, 5, 2),
+    "mistral": ({}, 5, 2),
+    "qwen2": ({}, 5, 2),
+    "qwen3": ({}, 9, 2),  # q/k norms too
+    "qwen3_moe": (dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16), 9, 0),  # experts: ours
+    "gpt_oss": (dict(num_local_experts=4, num_experts_per_tok=2), 5, 0),
+}
+
+
+def _model(family, **extra):
+    from transformers import AutoConfig, AutoModelForCausalLM
+    cfg = AutoConfig.for_model(family, vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-5,
+                               attn_implementation="eager", **{**FAMILIES[family][0], **extra})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
+    with torch.no_grad():  # norms away from 1, so a dropped weight shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+    return model
+
+
+def _logits_and_grads(model, ids):
+    model.zero_grad()
+    logits = model(input_ids=ids).logits
+    logits.float().square().mean().backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_bound_ops_give_hf_bitwise(family):
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    ref_logits, ref_grads = _logits_and_grads(_model(family), ids)
+    model = _model(family)
+    report = apply_fused_kernels(model, "auto", torch.device("cpu"), provider=Provider())
+    assert (report.norms, report.mlps) == FAMILIES[family][1:], report
+    logits, grads = _logits_and_grads(model, ids)
+    assert torch.equal(logits, ref_logits)
+    assert grads.keys() == ref_grads.keys()
+    for name in grads:
+        assert torch.equal(grads[name], ref_grads[name]), name
+
+
+def test_a_non_silu_mlp_stays_eager_and_is_reported():
+    model = _model("llama", hidden_act="gelu")
+    report = apply_fused_kernels(model, "auto", torch.device("cpu"), provider=Provider())
+    assert report.mlps == 0 and report.skipped_mlps == ["LlamaMLP", "LlamaMLP"]
+    assert "forward" not in model.model.layers[0].mlp.__dict__
+
+
+def test_cpu_keeps_hf_modules():
+    model = _model("llama")
+    report = apply_fused_kernels(model, "auto", torch.device("cpu"))
+    assert report.provider == "none"
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+class _NoWeight(Provider):
+    name = "broken"
+
+    def rms_norm(self, x, weight, eps, weight_in_fp32):
+        return super().rms_norm(x, torch.ones_like(weight), eps, weight_in_fp32)
+
+
+class _Swapped(Provider):
+    name = "broken"
+
+    def silu_mul(self, gate, up):
+        return super().silu_mul(up, gate)
+
+
+def test_first_use_check_stops_a_wrong_kernel():
+    x, w = torch.randn(3, 16), torch.randn(16)
+    with pytest.raises(RuntimeError, match="model.kernels=none"):
+        Checked(_NoWeight()).rms_norm(x, w, 1e-6, False)
+    with pytest.raises(RuntimeError, match="model.kernels=none"):
+        Checked(_Swapped()).silu_mul(x, x + 1)
+    out = Checked(Provider()).rms_norm(x, w, 1e-6, False)  # the reference passes its own check
+    assert torch.equal(out, Provider().rms_norm(x, w, 1e-6, False))
+
+
+def test_liger_asked_for_without_liger_is_refused_on_cuda(monkeypatch):
+    from ds_ulysses_ext import UnsupportedError
+    monkeypatch.setattr(providers, "liger_available", lambda: False)
+    with pytest.raises(UnsupportedError, match="model.kernels=compile"):
+        providers.provider_for("liger", torch.device("cuda"))
+    assert providers.provider_for("none", torch.device("cuda")) is None
+    assert providers.provider_for("liger", torch.device("cpu")) is None
