@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional
 
 from configs.errors import ConfigError, divisors, fmt, require
 from ds_ulysses_ext.models import SUPPORTED
+from ds_ulysses_ext.moe.family_keys import FAMILY_KEYS, readers, unread_keys
 from ds_ulysses_ext.rope import CP_ROPE_TYPES, LENGTH_DEPENDENT_TYPES, depends_on_length, unchecked_rope_types
 from ds_ulysses_ext.attention.zigzag import padded_seq_len
 
@@ -64,7 +65,21 @@ def check_model(model: ModelConfig) -> None:
     for key in _LATENT_KEYS:
         if key in model.arch:
             check_latent_size(key, model.arch[key])
+    check_family_keys(model)
     check_attention_keys(model.arch)
+
+
+def check_family_keys(model: ModelConfig) -> None:
+    """Keys our MoE block reads that the family's HF class does not (ds_ulysses_ext/moe/family_keys.py)."""
+    unread = unread_keys(model.family, model.arch)
+    if not unread:
+        return
+    key = unread[0]
+    switch = f" or use a family that reads it (model.family={FAMILY_KEYS[key][0]})" if FAMILY_KEYS[key] else ""
+    raise ConfigError(
+        f"model.arch.{key}={model.arch[key]} with model.family={model.family}: HF's {model.family} model never reads "
+        f"it (read by: {readers(key)}): the model its export loads as would not have it, whatever our MoE block did "
+        f"with it in training; remove it (~model.arch.{key}){switch}")
 
 
 def check_attention_keys(arch: Mapping[str, Any]) -> None:

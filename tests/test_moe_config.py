@@ -115,3 +115,39 @@ def test_a_local_model_path_that_does_not_exist_is_refused_before_the_build(tmp_
     missing.mkdir(parents=True)
     validate(compose_config(["model.source=pretrained", f"model.path={missing}", "trainer.global_batch_size=2"]),
              world_size=2)
+
+
+@pytest.mark.parametrize("overrides,key,family", [
+    (["model=tiny_moe", "+model.arch.router_score=sigmoid"], "router_score", "qwen3_moe"),
+    (["model=tiny_moe", "+model.arch.shared_expert_intermediate_size=8"], "shared_expert_intermediate_size", "qwen3_moe"),
+    (["model=tiny_gpt_oss", "+model.arch.router_score=sigmoid"], "router_score", "gpt_oss"),
+    (["model=tiny", "+model.arch.latent_size=512"], "latent_size", "llama"),
+])
+def test_a_key_only_other_families_read_is_refused(overrides, key, family):
+    # HF's class for the family never reads the key, so the export would not be the model trained
+    with pytest.raises(ConfigError, match=rf"^model\.arch\.{key}=\S+ with model\.family={family}: HF's {family} model "
+                                          rf"never reads it \(read by: latent_moe\).*remove it \(~model\.arch\.{key}\) "
+                                          r"or use a family that reads it \(model\.family=latent_moe\)$"):
+        validate(compose_config(overrides + ["trainer.global_batch_size=8"]), world_size=2)
+    validate(compose_config(["model=tiny_latent_moe", "+model.arch.router_score=sigmoid", "trainer.global_batch_size=8"]),
+             world_size=2)  # the family whose class reads it
+
+
+def test_megatron_latent_key_is_refused():
+    with pytest.raises(ConfigError, match=r"model\.arch\.moe_latent_size=512 .*read by: no supported family.*"
+                                          r"remove it \(~model\.arch\.moe_latent_size\)$"):
+        validate(compose_config(["model=tiny_latent_moe", "+model.arch.moe_latent_size=512",
+                                 "trainer.global_batch_size=8"]), world_size=2)
+
+
+def test_a_checkpoint_config_with_a_key_its_family_never_reads_is_refused_at_load():
+    # config.json of a qwen3_moe checkpoint with router_score: HF's Qwen3MoeConfig keeps it as an attribute, unread
+    from transformers import Qwen3MoeConfig
+    from ds_ulysses_ext import UnsupportedError
+    from ds_ulysses_ext.moe.parallel import hf_moe_spec
+    config = Qwen3MoeConfig(hidden_size=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=12)
+    assert hf_moe_spec(config).score == "softmax"
+    config.router_score = "sigmoid"
+    with pytest.raises(UnsupportedError, match=r"router_score='sigmoid' in the qwen3_moe config: HF's qwen3_moe "
+                                               r"model never reads it \(read by: latent_moe\).*Remove router_score"):
+        hf_moe_spec(config)

@@ -135,3 +135,25 @@ def test_recompute_and_offload_are_exact_and_rerun_the_experts(mode, group, offl
         assert (fwd_calls, total_calls) == (groups, 2 * groups)
     else:
         assert (fwd_calls, total_calls) == (1, 1)
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_sigmoid_router_matches_hf_deepseek_v3_router(norm):
+    # sigmoid scores honour norm_topk_prob as DeepSeek-V3's HF router does (one expert group, scaling 1); false once
+    # renormalised anyway
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+    from ds_ulysses_ext.moe.router import TopKRouter
+    cfg = DeepseekV3Config(hidden_size=16, n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1,
+                           routed_scaling_factor=1.0, norm_topk_prob=norm)
+    torch.manual_seed(0)
+    hf = DeepseekV3TopkRouter(cfg).float()
+    ours = TopKRouter(16, 8, 2, score="sigmoid", norm_topk_prob=norm)
+    with torch.no_grad():
+        hf.weight.normal_(0, 0.5)
+        ours.weight.copy_(hf.weight)
+    x = torch.randn(20, 16)
+    _, w_hf, e_hf = hf(x)
+    w, e, _ = ours(x)
+    assert torch.equal(e, e_hf)
+    _close(w, w_hf, f"weights norm_topk_prob={norm}")

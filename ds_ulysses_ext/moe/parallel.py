@@ -21,6 +21,7 @@ from ..errors import UnsupportedError
 from ..topology import Topology
 from .dispatch import AllToAllDispatcher
 from .experts import RECOMPUTE_MODES
+from .family_keys import check_family_keys
 from .layer import MoEBlock, MoEContext, MoESpec, moe_blocks
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,7 @@ def hf_moe_spec(config, expert_bias: bool = False) -> MoESpec:
             "output_router_logits=true asks for HF's load-balancing loss, which pools the whole batch and every "
             "layer and so changes with the cp split; our per-sequence loss replaces it: set "
             "output_router_logits=false and use moe.balance=aux (moe.aux_loss_coef)")
+    check_family_keys(config)  # keys read below that only some families' HF classes read
     if getattr(config, "model_type", None) == "gpt_oss":  # its experts' activation is fixed; hidden_act is unread
         return MoESpec.gpt_oss(config.hidden_size, config.num_local_experts, config.num_experts_per_tok,
                                config.intermediate_size, swiglu_alpha=float(config.swiglu_alpha),

@@ -5,7 +5,7 @@ Legend: T tokens on this rank, H hidden, E experts (all of them: routing never d
 Scores are computed in fp32 from the logits (as HF's Qwen3-MoE router and Megatron's moe_router_dtype=fp32 do):
 the top-k choice and the combine weights must not change with the model's dtype. Three score functions:
 - softmax: probabilities over all E experts; top-k; optional renormalisation over the k (Qwen3 norm_topk_prob);
-- sigmoid: independent scores; top-k; renormalised over the k (DeepSeek-V3);
+- sigmoid: independent scores; top-k; optional renormalisation over the k (DeepSeek-V3's norm_topk_prob);
 - topk_softmax: top-k of the logits, then a softmax over the k chosen logits only (GPT-OSS's GptOssTopKRouter;
   no renormalisation step: the softmax over the k is already normalised).
 `bias=True` gives the router linear a learned bias [E] (GPT-OSS's `router.bias`), part of the logits everywhere.
@@ -66,6 +66,6 @@ class TopKRouter(torch.nn.Module):
         weights_Tk = scores_TE.gather(1, experts_Tk)
         if self.score == "topk_softmax":
             weights_Tk = torch.softmax(weights_Tk, dim=-1)  # over the k chosen logits only (HF's GptOssTopKRouter)
-        elif self.score == "sigmoid" or self.norm_topk_prob:
+        elif self.norm_topk_prob:
             weights_Tk = weights_Tk / weights_Tk.sum(dim=-1, keepdim=True)
         return weights_Tk, experts_Tk, probs_TE
