@@ -36,6 +36,9 @@ class Family:
     # the attn_implementation HF builds the model with before enable_context_parallel installs ours; GPT-OSS: HF
     # refuses "sdpa" for it (its sinks have no SDPA path), and eager is only ever the stand-in
     hf_attn: str = "sdpa"
+    # multi-head latent attention (DeepSeek-V3's MLA): k and v come out of a per-token latent with one head per query
+    # head (num_key_value_heads is not what the attention gets), q/k of nope + rope dims, v of its own (Dv != D)
+    mla: bool = False
 
 
 SUPPORTED = {f.model_type: f for f in (
@@ -47,6 +50,11 @@ SUPPORTED = {f.model_type: f for f in (
     Family("gpt_oss", moe=True, hf_attn="eager",
            notes="sliding windows and sinks run in the CP attention; its MoE runs as our block (experts over ep)"),
     Family("latent_moe", moe=True, notes="ours (ds_ulysses_ext/moe/latent_model.py): experts in a latent space"),
+    Family("deepseek_v3", moe=True, mla=True,
+           notes="MLA: k/v up-projected per token before the exchange, q/k head dim nope + rope != v's"),
+    Family("glm4_moe_lite", moe=True, mla=True,
+           notes="MLA as DeepSeek-V3: k/v up-projected per token before the exchange"),
+    Family("glm4_moe", moe=True, notes="GQA with partial RoPE, rotated on each chunk's global positions"),
 )}
 
 
@@ -108,6 +116,8 @@ def check_model_config(config, cp: int) -> None:
     check_rope(config, cp)
     num_q = config.num_attention_heads
     num_kv = getattr(config, "num_key_value_heads", None) or num_q
+    if SUPPORTED[model_type].mla:
+        num_kv = num_q  # kv_b_proj makes one k and one v per query head, whatever num_key_value_heads says
     kv_replication(num_q, num_kv, cp)  # raises with the valid cp values
     if SUPPORTED[model_type].notes:
         log.info("%s under context parallelism (cp=%d): %s", model_type, cp, SUPPORTED[model_type].notes)

@@ -71,12 +71,30 @@ AUDIT = {
     "latent_size": "tests/test_moe_engine.py (the preset); multiples of 512 only (validate)",
     "router_score": "latent_moe_sigmoid; softmax: tests/test_moe_engine.py",
     "shared_expert_intermediate_size": "latent_moe_no_shared_no_norm; tests/test_moe_engine.py (the preset has one)",
+    # DeepSeek-V3 / GLM-4-MoE-Lite (MLA) and GLM-4-MoE: tests/test_mla_cp.py (cp 2, 4, ring 2, 2 x 2, packed) with
+    # q/k head dim 12 != v's 8, and the cases below
+    "q_lora_rank": "deepseek_v3_no_q_lora, glm4_moe_lite_no_q_lora; 16 in every tiny MLA model",
+    "kv_lora_rank": "shape (per token, before the exchange)", "qk_nope_head_dim": "tests/test_mla_cp.py (8)",
+    "qk_rope_head_dim": "tests/test_mla_cp.py (4: k's rope part shared by the heads, rotated before the exchange)",
+    "v_head_dim": "tests/test_mla_cp.py (8 != q/k's 12: the exchange, masks, ring blocks and merge take it)",
+    "rope_interleave": "deepseek_v3_rope_not_interleaved; true in every tiny MLA model",
+    "first_k_dense_replace": "deepseek_v3_all_dense, glm4_moe_first_k_dense_0; 1 in the tiny models",
+    "mlp_layer_types": "glm4_moe_lite_mlp_layer_types",
+    "n_routed_experts": "tests/test_mla_cp.py (8); ep must divide it (validate)",
+    "n_shared_experts": "deepseek_v3_two_shared", "n_group": "deepseek_v3_groups; 2 in the tiny models",
+    "topk_group": "deepseek_v3_groups", "routed_scaling_factor": "deepseek_v3_groups; 2.5 in the tiny models",
+    "use_qk_norm": "glm4_moe_no_qk_norm; true in the tiny model",
+    "num_mtp_layers": "inert: transformers 5.22 builds no multi-token-prediction layers (their weights are dropped "
+                      "at load)",
     # not a dataclass field but a switch transformers reads from any config (masking_utils, utils/generic.py)
     "is_causal": "refused (check_attention_config, validate): false would make HF bidirectional",
 }
 
 S = 16  # cp 2 and ring 2 (zigzag chunks of 4) divide it: the length-dependent RoPE types see no pads
 DYNAMIC = {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}, "max_position_embeddings": 8}  # 16 > 8: grows
+# DeepSeek-V3's own RoPE: yarn with mscale_all_dim, which also scales the attention (HF's yarn_apply_mscale)
+YARN = {"rope_type": "yarn", "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1,
+        "original_max_position_embeddings": 8, "rope_theta": 10000.0}
 LONGROPE = {"rope_parameters": {"rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 3.0],
                                 "long_factor": [2.0, 4.0, 6.0, 9.0], "original_max_position_embeddings": 8},
             "max_position_embeddings": 8}
@@ -147,8 +165,33 @@ DENSE = {
     "gpt_oss_swiglu": ("gpt_oss", {"swiglu_limit": 0.5, "swiglu_alpha": 1.0},
                        lambda m: _layers(m)[0].mlp.experts.limit == 0.5, False),
     "gpt_oss_tied": ("gpt_oss", {"tie_word_embeddings": True}, _tied, True),
+    # MLA and GLM-4-MoE with HF's own MoE blocks (per token); through ours at cp 2 x ep 2: MOE below
+    "deepseek_v3_no_q_lora": ("deepseek_v3", {"q_lora_rank": None},
+                              lambda m: "model.layers.0.self_attn.q_proj.weight" in _params(m), True),
+    "deepseek_v3_rope_not_interleaved": ("deepseek_v3", {"rope_interleave": False},
+                                         lambda m: m.config.rope_interleave is False, False),
+    "deepseek_v3_yarn_rope": ("deepseek_v3", {"rope_parameters": YARN},
+                              lambda m: _layers(m)[0].self_attn.scaling != 12 ** -0.5, False),
+    "deepseek_v3_all_dense": ("deepseek_v3", {"first_k_dense_replace": 2},
+                              lambda m: "model.layers.1.mlp.gate.weight" not in _params(m), True),
+    "deepseek_v3_two_shared": ("deepseek_v3", {"n_shared_experts": 2},
+                               lambda m: _layers(m)[1].mlp.shared_experts.gate_proj.out_features == 32, True),
+    "deepseek_v3_groups": ("deepseek_v3", {"n_group": 4, "topk_group": 2, "routed_scaling_factor": 1.0,
+                                           "norm_topk_prob": False},
+                           lambda m: _layers(m)[1].mlp.gate.num_group == 4, False),
+    "glm4_moe_lite_no_q_lora": ("glm4_moe_lite", {"q_lora_rank": None},
+                                lambda m: "model.layers.0.self_attn.q_proj.weight" in _params(m), True),
+    "glm4_moe_lite_mlp_layer_types": ("glm4_moe_lite", {"mlp_layer_types": ["sparse", "dense"]},
+                                      lambda m: "model.layers.0.mlp.gate.weight" in _params(m), True),
+    "glm4_moe_no_qk_norm": ("glm4_moe", {"use_qk_norm": False},
+                            lambda m: "model.layers.0.self_attn.q_norm.weight" not in _params(m), True),
+    "glm4_moe_full_rotary": ("glm4_moe", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                              "partial_rotary_factor": 1.0}},
+                             lambda m: m.model.rotary_emb.inv_freq.numel() == 4, False),
+    "glm4_moe_first_k_dense_0": ("glm4_moe", {"first_k_dense_replace": 0},
+                                 lambda m: "model.layers.0.mlp.gate.weight" in _params(m), True),
 }
-RING = ["qwen2_window_max_window_layers", "qwen3_moe_window", "qwen2_dynamic_rope"]  # also under ring 2 (zigzag)
+RING = ["qwen2_window_max_window_layers", "qwen3_moe_window", "qwen2_dynamic_rope", "deepseek_v3_yarn_rope"]  # also under ring 2 (zigzag)
 
 
 def _gpt_oss(overrides, seed=0):

@@ -1,7 +1,13 @@
 """Local (single-rank) attention kernels that Ulysses runs on the head-sharded, full-sequence tensors.
 
-Legend: B batch, S sequence, hq query heads, hkv key/value heads (hq % hkv == 0), D head dim.
+Legend: B batch, S sequence, hq query heads, hkv key/value heads (hq % hkv == 0), D head dim of q and k, Dv of v.
 Every backend takes and returns the [B, S, h, D] layout and handles GQA natively (no repeat_kv).
+
+v's head dim may differ from q/k's (MLA: DeepSeek-V3 192 / 128): SDPA takes that as it is. Every other path (the
+flash kernels, torch's varlen kernel, masks.py) gets v padded with zeros to D and its output cut back to Dv: zero
+value columns add exact zeros to the output and nothing to any gradient, so it is exact whatever the kernel
+supports, at (D - Dv) / Dv more value bytes inside the kernel (none on the wire: the exchange moves Dv). A v wider
+than q/k pads q and k instead (zero coordinates add to no logit; the scale stays that of D).
 
 - `sdpa`: torch scaled_dot_product_attention. On Hopper it dispatches to cuDNN attention for these
   shapes; on CPU it runs the math kernel.
@@ -159,6 +165,16 @@ def local_attention(backend: str, q_BShD, k_BShD, v_BShD, *, causal: bool = True
     """
     name = resolve_backend(backend, q_BShD.device.type, q_BShD.dtype)
     needed = _needed(cu_seqlens, window, sinks)
+    if not needed and name == "sdpa":
+        return sdpa_attention(q_BShD, k_BShD, v_BShD, causal=causal, softmax_scale=softmax_scale)
+    D, Dv = k_BShD.shape[-1], v_BShD.shape[-1]
+    if Dv != D:  # the smaller of the two padded with zeros (a wider v: q and k, whose zeros add to no logit)
+        Dp = max(D, Dv)
+        q_p, k_p, v_p = (F.pad(t, (0, Dp - t.shape[-1])) for t in (q_BShD, k_BShD, v_BShD))
+        out = local_attention(backend, q_p, k_p, v_p, causal=causal,
+                              softmax_scale=D ** -0.5 if softmax_scale is None else softmax_scale,
+                              cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, window=window, sinks=sinks)
+        return out[..., :Dv]
     if not needed:
         return _IMPLS[name](q_BShD, k_BShD, v_BShD, causal=causal, softmax_scale=softmax_scale)
     if name != "sdpa":

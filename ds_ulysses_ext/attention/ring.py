@@ -2,8 +2,9 @@
 
 Legend: B batch, s local sequence (Sp / cp), Sp global padded sequence, R ring size, u = cp / R Ulysses group
 size, L = s * u = 2c the ring share of one ring rank (its two zigzag chunks of c tokens, zigzag.py),
-Hq / Hkv query / KV heads, h = Hq / u and hkv query / KV heads after the Ulysses exchange, D head dim,
-bq query rows of one kernel block.
+Hq / Hkv query / KV heads, h = Hq / u and hkv query / KV heads after the Ulysses exchange, D head dim of q and k,
+Dv of v (MLA: Dv != D; K|V travel as [.. D + Dv], split at D = q's head dim, and out has Dv), bq query rows of one
+kernel block.
 
     q [B s Hq D] --a2a(u)--> [B L h D] \
     k|v [B s 2*Hkv' D] --a2a(u)--> [B L 2*hkv D] --ring over R ranks--> o [B L h D] --a2a(u)--> [B s Hq D]
@@ -140,7 +141,7 @@ def _step(t: int, mask: BlockMask, ring: "_Ring", L: int, steps: Optional[dict])
 
 def _ring_forward(q, k, v, scale, mask: BlockMask, ring: _Ring, steps: Optional[dict] = None):
     B, h, L, D = q.shape
-    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    out = torch.zeros(B, h, L, v.shape[-1], dtype=torch.float32, device=q.device)  # v's head dim (MLA: Dv != D)
     lse = torch.full((B, h, L), float("-inf"), dtype=torch.float32, device=q.device)
     kv = torch.cat([k, v], dim=-1).contiguous()  # [B hkv L 2D]: one message per hop
     for t in range(ring.size):
@@ -256,6 +257,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ring_gr
     _log_kernel(backend)
     u = group_size(ulysses_group)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    if v.shape[-1] > k.shape[-1]:  # a v wider than q/k: pad q and k with zeros (no logit changes), so K|V split at D
+        D = v.shape[-1]
+        q, k = (torch.nn.functional.pad(t, (0, D - t.shape[-1])) for t in (q, k))
     if u > 1:
         q, k, v = heads_exchange(q, k, v, ulysses_group)                   # [B L h D], [B L hkv D] x2
     if q.shape[1] % 2:

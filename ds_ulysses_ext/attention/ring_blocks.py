@@ -1,7 +1,7 @@
 """The per-block kernels of ring attention (ring.py): one query share against one K|V block, with its log-sum-exp.
 
-Legend: B batch, h query heads, hkv K|V heads, Lq query rows and Lk key rows of a block, D head dim, bq query rows
-of one torch-kernel block (QUERY_BLOCK).
+Legend: B batch, h query heads, hkv K|V heads, Lq query rows and Lk key rows of a block, D head dim (Dv: v's, which
+MLA makes differ; out has Dv), bq query rows of one torch-kernel block (QUERY_BLOCK).
 
     q [B h Lq D] x k|v [B hkv Lk D] -> out [B h Lq D] fp32, lse [B h Lq] fp32 (-inf: a row that sees no key)
 
@@ -151,8 +151,23 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
     return lse.masked_fill(torch.isinf(lse), 0.0)
 
 
+def _fused(q, mask: BlockMask) -> bool:
+    return _planned(q, mask) is not None or _fused_parts(q, mask) is not None
+
+
+def _pad_v(t, D: int):
+    return torch.nn.functional.pad(t, (0, D - t.shape[-1]))
+
+
 def block_forward(q, k, v, scale: float, mask: BlockMask):
-    """Attention of q against one K|V block, with its log-sum-exp (-inf for a row that sees none of its keys)."""
+    """Attention of q against one K|V block, with its log-sum-exp (-inf for a row that sees none of its keys).
+
+    v may have a head dim of its own (MLA): the torch kernel takes it; the fused kernels get v padded with zeros to
+    q's, which adds exact zeros to the output (cut off here) and nothing to the gradients."""
+    Dv = v.shape[-1]
+    if Dv != k.shape[-1] and _fused(q, mask):
+        out, lse = block_forward(q, k, _pad_v(v, k.shape[-1]), scale, mask)
+        return out[..., :Dv], lse
     h = q.shape[1]
     varlen = _planned(q, mask)
     if varlen is not None:  # many packed documents, or a window: varlen calls (ring_varlen.py)
@@ -192,6 +207,10 @@ def _torch_block_forward(q, k, v, scale: float, mask: BlockMask):
 def block_backward(q, k, v, dout, lse, delta, scale: float, mask: BlockMask, out=None):
     """dq, dk, dv (fp32) of one block, from the MERGED log-sum-exp and delta = rowsum(dout * out) of the whole row
     (`out`: the merged output of these rows, which the fused kernel takes in place of delta)."""
+    Dv, D = v.shape[-1], k.shape[-1]
+    if Dv != D and out is not None and _fused(q, mask):  # as block_forward: zero columns of v, out and dout
+        dq, dk, dv = block_backward(q, k, _pad_v(v, D), _pad_v(dout, D), lse, delta, scale, mask, out=_pad_v(out, D))
+        return dq, dk, dv[..., :Dv]
     h, hkv = q.shape[1], k.shape[1]
     varlen = _planned(q, mask) if out is not None else None
     if varlen is not None:
@@ -221,7 +240,7 @@ def _torch_block_backward(q, k, v, dout, lse, delta, scale: float, mask: BlockMa
     ke, ve = _expand(k, h).float(), _expand(v, h).float()
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.zeros(ke.shape, dtype=torch.float32, device=q.device)
-    dv = torch.zeros_like(dk)
+    dv = torch.zeros(ve.shape, dtype=torch.float32, device=q.device)  # v's own head dim (MLA)
     for qs, qe, ks, kend in _query_blocks(mask, q.shape[2], ke.shape[2]):
         if kend <= ks:  # the window reaches no key of this block: no gradient
             continue
