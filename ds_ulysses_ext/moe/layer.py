@@ -14,6 +14,9 @@ GPT-OSS's block (`MoESpec.gpt_oss`, options of the same block) keeps HF's GptOss
 `experts.down_proj [E, I, H]` (+ `_bias [E, H]`); its router takes the top-k of the logits and a softmax over
 the k (router.py), its experts the clamped, alpha-scaled, interleaved SwiGLU (experts.py), and the block returns
 (out, None) because HF's GptOssDecoderLayer unpacks (out, router_scores) and drops the scores.
+DeepSeek-V3 / GLM-4-MoE(-Lite)'s block (`MoESpec.deepseek`) keeps HF's DeepseekV3MoE names: `gate.weight`,
+`gate.e_score_correction_bias` (the selection bias, a persistent fp32 buffer), Qwen3's expert layout, and
+`shared_experts.{gate,up,down}_proj`.
 
 The block holds E / ep experts after `shard(ep_rank, ep)`. What it needs at run time (the EP dispatcher, the CP
 group for the balance statistics, the token mask of the current batch, the collector) is one `MoEContext`
@@ -53,6 +56,12 @@ class MoESpec:
     weight_layout: str = "qwen3"  # qwen3: gate_up [E, 2I, D] (x @ W^T) | gpt_oss: gate_up [E, D, 2I] (x @ W)
     router_name: str = "gate"  # the router's attribute and state-dict prefix: HF's Qwen3 `gate`, GPT-OSS `router`
     tuple_output: bool = False  # return (out, None): the decoder layer unpacks (out, router_scores)
+    # DeepSeek-V3 / GLM-4-MoE(-Lite) routing (MoESpec.deepseek sets them; router.py): the selection bias under HF's
+    # buffer name, group-limited selection, the routed scaling factor
+    bias_name: str = "expert_bias"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
 
     def __post_init__(self):
         if self.router_name not in ("gate", "router"):
@@ -61,6 +70,17 @@ class MoESpec:
     @property
     def expert_dim(self) -> int:
         return self.latent_size or self.hidden_size
+
+    @classmethod
+    def deepseek(cls, config) -> "MoESpec":
+        """HF's DeepseekV3MoE (and GLM-4-MoE(-Lite)'s, the same block): the sigmoid router with its selection bias
+        `gate.e_score_correction_bias` (always there: a saved HF weight), groups, scaling; Qwen3's expert layout;
+        n_shared_experts shared experts as one SwiGLU of n_shared_experts x moe_intermediate_size."""
+        return cls(config.hidden_size, config.n_routed_experts, config.num_experts_per_tok,
+                   config.moe_intermediate_size, score="sigmoid", norm_topk_prob=bool(config.norm_topk_prob),
+                   shared_intermediate_size=config.moe_intermediate_size * (config.n_shared_experts or 0),
+                   expert_bias=True, bias_name="e_score_correction_bias", n_group=config.n_group or 1,
+                   topk_group=config.topk_group or 1, routed_scaling_factor=float(config.routed_scaling_factor))
 
     @classmethod
     def gpt_oss(cls, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
@@ -147,7 +167,9 @@ class MoEBlock(torch.nn.Module):
         self.spec, self.layer_id = spec, layer_id
         self.ep_rank, self.ep_size = 0, 1
         setattr(self, spec.router_name, TopKRouter(spec.hidden_size, spec.num_experts, spec.top_k, spec.score,
-                                                   spec.norm_topk_prob, spec.expert_bias, bias=spec.router_bias))
+                                                   spec.norm_topk_prob, spec.expert_bias, bias=spec.router_bias,
+                                                   bias_name=spec.bias_name, n_group=spec.n_group,
+                                                   topk_group=spec.topk_group, scaling=spec.routed_scaling_factor))
         self.experts = GroupedExperts(spec.num_experts, spec.expert_dim, spec.intermediate_size,
                                       layout=spec.weight_layout, bias=spec.ffn_bias, activation=spec.activation,
                                       alpha=spec.swiglu_alpha, limit=spec.swiglu_limit)

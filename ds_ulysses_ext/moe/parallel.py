@@ -71,6 +71,14 @@ def hf_moe_spec(config, expert_bias: bool = False) -> MoESpec:
     if act != "silu":
         raise UnsupportedError(f"MoE experts with hidden_act={act!r}: our experts compute SwiGLU (silu); "
                                "use a model whose experts are SwiGLU")
+    if getattr(config, "model_type", None) in DEEPSEEK_MOE_FAMILIES:
+        from .router import check_groups
+        try:
+            check_groups(config.n_routed_experts, config.num_experts_per_tok, config.n_group or 1,
+                         config.topk_group or 1)
+        except ValueError as err:
+            raise UnsupportedError(str(err)) from None
+        return MoESpec.deepseek(config)
     return MoESpec(hidden_size=config.hidden_size, num_experts=config.num_experts,
                    top_k=config.num_experts_per_tok, intermediate_size=config.moe_intermediate_size,
                    score=getattr(config, "router_score", "softmax"),
@@ -87,14 +95,22 @@ def _gathered(params):
     return contextlib.nullcontext()
 
 
+# families whose MoE block is HF's DeepseekV3MoE (GLM-4-MoE and -Lite copy it): MoESpec.deepseek
+DEEPSEEK_MOE_FAMILIES = ("deepseek_v3", "glm4_moe_lite", "glm4_moe")
+
+
 def _hf_moe_classes() -> tuple:
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeMoE
+    from transformers.models.glm4_moe_lite.modeling_glm4_moe_lite import Glm4MoeLiteMoE
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts, GptOssMLP
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
-    return (Qwen3MoeSparseMoeBlock, GptOssMLP), GptOssExperts
+    return (Qwen3MoeSparseMoeBlock, GptOssMLP, DeepseekV3MoE, Glm4MoeMoE, Glm4MoeLiteMoE), GptOssExperts
 
 
 def replace_hf_blocks(model, expert_bias: bool = False) -> int:
-    """Swap every HF Qwen3-MoE sparse block and GPT-OSS MLP for a MoEBlock with the same weights; returns how many."""
+    """Swap every HF Qwen3-MoE sparse block, GPT-OSS MLP and DeepSeek-V3 / GLM-4-MoE(-Lite) MoE for a MoEBlock with
+    the same weights (the selection bias included); returns how many. Their dense layers stay HF's."""
     blocks, gpt_oss_experts = _hf_moe_classes()
     layers = model.get_decoder().layers
     replaced = 0
@@ -116,7 +132,7 @@ def replace_hf_blocks(model, expert_bias: bool = False) -> int:
         with _gathered(old_params), torch.no_grad():
             new.to(device=_real_device(old_params[0], device), dtype=dtype)
             missing, unexpected = new.load_state_dict(old.state_dict(), strict=False)
-        if unexpected or [k for k in missing if k != f"{spec.router_name}.expert_bias"]:
+        if unexpected or [k for k in missing if k != f"{spec.router_name}.{spec.bias_name}"]:
             raise RuntimeError(f"layer {layer_id}: HF MoE weights did not map onto ours: missing {missing}, "
                                f"unexpected {unexpected}")
         layer.mlp = new
