@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional
 from configs.errors import ConfigError, divisors, fmt, require
 from ds_ulysses_ext.models import SUPPORTED
 from ds_ulysses_ext.moe.family_keys import FAMILY_KEYS, readers, unread_keys
-from ds_ulysses_ext.rope import CP_ROPE_TYPES, LENGTH_DEPENDENT_TYPES, depends_on_length, unchecked_rope_types
+from ds_ulysses_ext.rope import CP_ROPE_TYPES, unchecked_rope_types
 from ds_ulysses_ext.attention.zigzag import padded_seq_len
 
 if TYPE_CHECKING:  # configs.train imports this module
@@ -127,7 +127,7 @@ def _rope_key(arch: Mapping[str, Any]) -> str:
     return "rope_scaling" if arch.get("rope_scaling") else "rope_parameters"
 
 
-def check_rope(cfg: "TrainConfig", ring: int) -> None:
+def check_rope(cfg: "TrainConfig") -> None:
     """RoPE types under cp (ds_ulysses_ext/rope.py); known only when model.arch says the rope type."""
     cp, arch = cfg.parallelism.cp, cfg.model.arch
     if cp == 1:
@@ -139,19 +139,7 @@ def check_rope(cfg: "TrainConfig", ring: int) -> None:
         not unknown,
         f"model.arch.{key}.rope_type={unknown[0] if unknown else ''} is not one of the RoPE types checked under cp "
         f"{fmt(CP_ROPE_TYPES)}; set model.arch.{key}.rope_type to one of them or run with parallelism.cp=1",
-    )
-    seq_len, padded = cfg.data.seq_len, padded_seq_len(cfg.data.seq_len, cp, ring)
-    multiple = padded_seq_len(1, cp, ring)
-    lower = seq_len // multiple * multiple
-    require(
-        not depends_on_length(params) or padded == seq_len,
-        f"data.seq_len={seq_len} is not a multiple of "
-        + (f"parallelism.cp={cp}" if ring == 1 else f"{multiple} (2 x parallelism.cp={cp} with parallelism.ring={ring})")
-        + f", and model.arch.{key} selects a RoPE "
-        f"type that reads the sequence length ({fmt(LENGTH_DEPENDENT_TYPES)}): the {padded - seq_len} pad tokens "
-        f"cp adds would change its frequencies from the parallelism.cp=1 run's; set data.seq_len="
-        + " or ".join(str(n) for n in (lower, padded) if n > 0),
-    )
+    )  # a length cp does not divide is fine for every type: the cp pads never enter the length (rope.py)
 
 
 def check_experts(model: ModelConfig, ep: int, world_size: int) -> None:

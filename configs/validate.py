@@ -55,7 +55,7 @@ def validate(cfg: TrainConfig, world_size: int) -> Plan:
     ring, ring_reason = resolve_ring(cfg)
     check_moe(cfg, world_size)
     check_positions(cfg, ring)  # after parallelism.cp/ring are known to be valid: the padding depends on them
-    check_rope(cfg, ring)
+    check_rope(cfg)
     grad_accum = check_batch(cfg.trainer, dp)
     return Plan(
         world_size=world_size,

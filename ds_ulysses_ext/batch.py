@@ -31,6 +31,7 @@ from .attention.masks import CU_SEQLENS_KEY, cu_seqlens_of, document_starts
 from .attention.zigzag import padded_seq_len, rank_positions
 from .errors import UnsupportedError
 from .integrate import MULTIMODAL_KEYS
+from .rope import ROPE_LENGTH_KEY
 from .topology import Topology
 
 IGNORE_INDEX = -100
@@ -82,7 +83,8 @@ def shard_batch(batch: dict, topology: Topology, pad_token_id: int = 0) -> dict:
         topology: gives cp_size, cp_rank and ring_size (the layout).
     Returns:
         {"input_ids": [B, s], "labels": [B, s] (shifted), "position_ids": [B, s]}, plus
-        "cp_cu_seqlens": [N+1] int32 (global document boundaries) when a row holds several documents.
+        "cp_cu_seqlens": [N+1] int32 (global document boundaries) when a row holds several documents, and at cp > 1
+        "cp_rope_length": [1] int64, the batch's length before the cp pads (the one a dynamic/longrope RoPE reads).
     """
     _check_inputs(batch)
     input_ids = batch["input_ids"]
@@ -98,6 +100,8 @@ def shard_batch(batch: dict, topology: Topology, pad_token_id: int = 0) -> dict:
         starts = document_starts(position_ids)
         # the last token of a document predicts nothing: the next token opens another document
         targets = targets.masked_fill(torch.cat([starts[:, 1:], torch.zeros_like(starts[:, :1])], 1), IGNORE_INDEX)
+    # the length a length-dependent RoPE reads in the unsplit model, before the cp pads below (rope.py)
+    rope_length = (position_ids.max() + 1 if position_ids is not None else torch.tensor(S)).reshape(1).long()
     Sp = padded_seq_len(S, topology.cp_size, topology.ring_size)
     if Sp != S:
         extra = Sp - S
@@ -112,4 +116,6 @@ def shard_batch(batch: dict, topology: Topology, pad_token_id: int = 0) -> dict:
              "position_ids": _local(position_ids, topology)}
     if bool(document_starts(position_ids)[:, 1:].any()):
         shard[CU_SEQLENS_KEY] = cu_seqlens_of(position_ids)
+    if topology.cp_size > 1:
+        shard[ROPE_LENGTH_KEY] = rope_length.to(input_ids.device)
     return shard

@@ -33,7 +33,7 @@ from .attention.ulysses import ulysses_attention
 from .attention.zigzag import rank_positions
 from .errors import UnsupportedError
 from .models import check_model_config
-from .rope import check_rope, share_global_length
+from .rope import ROPE_LENGTH_KEY, check_rope, share_global_length
 from .topology import Topology
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,7 @@ class CPState:
     # backward re-run layers of earlier forwards, which no longer match the newest forward's length
     expected_global_len: int = 0
     max_seqlen: Optional[int] = None  # the longest packed document of this forward (varlen kernels need it)
+    rope_length: Optional[torch.Tensor] = None  # this forward's batch length before the cp pads (rope.py)
     logged: bool = field(default=False)
 
 
@@ -70,6 +71,7 @@ def _cp_attention(module, query, key, value, attention_mask, scaling=None, dropo
     if dropout:
         raise UnsupportedError("attention dropout is not supported under context parallelism; set attention_dropout=0")
     cu_seqlens = kwargs.pop(CU_SEQLENS_KEY, None)
+    kwargs.pop(ROPE_LENGTH_KEY, None)  # the rotary's (rope.py), read by the decoder's input check
     unknown = sorted(set(kwargs) - _IGNORABLE_KWARGS)
     if unknown:
         raise UnsupportedError(
@@ -228,6 +230,7 @@ def _first_forward_check(state: CPState):
         mask2d = kwargs.get("attention_mask")
         mask2d = mask2d if isinstance(mask2d, torch.Tensor) and mask2d.dim() == 2 else None
         _check_every_row(state, position_ids, inputs.shape[1], inputs.shape[0], kwargs.get(CU_SEQLENS_KEY), mask2d)
+        state.rope_length = kwargs.get(ROPE_LENGTH_KEY)
         return None
     return hook
 
@@ -281,7 +284,7 @@ def enable_context_parallel(model, topology: Topology, backend: str = "auto"):
     for m in modules:
         m._cp_state = state
     model._cp_state = state
-    share_global_length(model, topology)  # dynamic / longrope RoPE read the length: give them the global one
+    share_global_length(model, topology, state)  # dynamic / longrope RoPE read the length: give them the batch's
     # on the decoder, so the check runs whether the caller goes through the LM head or not (lm.py)
     model.get_decoder().register_forward_pre_hook(_first_forward_check(state), with_kwargs=True)
     if topology.cp_size > 1:

@@ -220,10 +220,15 @@ def test_cp_groups_that_cross_nodes_are_named(tmp_path, cp, ranks_per_node, span
 
 def test_a_pretrained_model_trained_past_its_positions_is_warned_about():
     config = SimpleNamespace(max_position_embeddings=1000)
-    assert position_warning(config, seq_len=1000, cp=4) is None
-    warning = position_warning(config, seq_len=1001, cp=4)  # padded to 1004
+    assert position_warning(config, seq_len=1000, cp=4, ring=1) is None
+    warning = position_warning(config, seq_len=1001, cp=4, ring=1)  # padded to 1004
     assert "data.seq_len=1001 (padded to 1004 for cp) exceeds the model's max_position_embeddings=1000" in warning
-    assert position_warning(SimpleNamespace(), seq_len=10**6, cp=1) is None  # a config without the key
+    assert position_warning(SimpleNamespace(), seq_len=10**6, cp=1, ring=1) is None  # a config without the key
+    # a ring pads to a multiple of 2 x cp: 997 tokens at cp=2 take 998 positions under Ulysses, 1000 with ring 2
+    config = SimpleNamespace(max_position_embeddings=999)
+    assert position_warning(config, seq_len=997, cp=2, ring=1) is None
+    warning = position_warning(config, seq_len=997, cp=2, ring=2)
+    assert "data.seq_len=997 (padded to 1000 for cp) exceeds the model's max_position_embeddings=999" in warning
 
 
 def test_timed_checkpoint_is_due_after_the_interval_and_on_rank_0s_clock(monkeypatch):

@@ -110,13 +110,14 @@ def test_boundaries_span_rows_and_padding():
     out = shard_batch({"input_ids": torch.ones(2, 5, dtype=torch.long), "position_ids": pos}, Topology(2, 1, 2, 1))
     assert out["cp_cu_seqlens"].tolist() == [0, 2, 6, 12]
     assert out["position_ids"].tolist() == [[1, 2, 3], [3, 4, 5]]
+    assert out["cp_rope_length"].tolist() == [5]  # max(position_ids) + 1 before the pad (rope.py)
     assert cu_seqlens_of(torch.arange(4)[None].expand(2, 4)).tolist() == [0, 4, 8]
 
 
 def test_one_document_per_row_adds_no_boundaries():
     out = shard_batch({"input_ids": torch.ones(2, 6, dtype=torch.long), "position_ids": torch.arange(6)[None]},
                       Topology(2, 0, 2, 1))
-    assert set(out) == {"input_ids", "labels", "position_ids"}
+    assert "cp_cu_seqlens" not in out and set(out) == {"input_ids", "labels", "position_ids", "cp_rope_length"}
 
 
 @pytest.mark.parametrize("causal,block,bucket,calls", [

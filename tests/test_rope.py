@@ -2,8 +2,8 @@
 
 The batch (16 tokens) is longer than each type's pretraining length (8, or 4 for yarn / llama3), so `dynamic`
 grows its base and `longrope` takes its long factors in the unsplit model while a rank's chunk alone would not
-(rank 0 sees positions < 8 at cp=2): without the global length those ranks rotate differently. 16 is a multiple
-of 2 and 4, so no pads enter the length (configs/model.py check_rope asks for that for these two types).
+(rank 0 sees positions < 8 at cp=2): without the global length those ranks rotate differently. A length cp
+does not divide (31, padded to 32) is checked at the end: the pads must not enter the length.
 Compared: this rank's chunk of the logits, the loss, and every parameter gradient summed over the CP group.
 Types outside the checked list are refused at model time (and at config time: tests/test_configs.py).
 """
@@ -77,7 +77,7 @@ def _check_case(rank, world, case):
     local = shard_batch({"input_ids": ids, "labels": labels}, topo)
     start, end = chunk_bounds(S, world, topo.cp_rank)
     with torch.no_grad():
-        logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
+        logits = model(**{k: v for k, v in local.items() if k != "labels"}).logits
     assert _rel(logits, ref_logits[:, start:end]) < RTOL, (case, rank, _rel(logits, ref_logits[:, start:end]))
     loss_sum, count = CPCausalLM(model)(**local)
     assert_share_matches_unsplit(model, loss_sum, count, topo, ref_loss, ref_grads, case)
@@ -129,3 +129,56 @@ def test_unchecked_rope_type_is_refused_at_enable_time(monkeypatch, key):
         enable_context_parallel(model, CP2)
     enable_context_parallel(tiny_model("llama", **{key: {"rope_type": "my_rope", "factor": 2.0}}),
                             Topology(1, 0, 1, 1))  # cp=1: the model runs unsplit, as HF's
+
+
+# --- a length cp does not divide: the pads shard_batch adds must not enter the length ------------------------------
+# 31 tokens are padded to 32 at cp 2, cp 4 and cp 4 with ring 2 (zigzag: a multiple of 8). `dynamic` grows its base
+# from the length (31 and 32 give other frequencies); `longrope` switches to its long factors past 31, so the pads
+# alone would flip it. The unsplit model sees 31 tokens.
+S_PAD = 31
+PADDED = {"dynamic": ({"rope_type": "dynamic", "factor": 2.0}, 8),
+          "longrope": ({**ROPE["longrope"][0], "original_max_position_embeddings": S_PAD}, S_PAD)}
+
+
+def _padded_model(rope_type):
+    params, max_pos = PADDED[rope_type]
+    return tiny_model("llama", max_position_embeddings=max_pos, rope_parameters=dict(params))
+
+
+def _check_padded(rank, world, ring):
+    from ds_ulysses_ext.attention.zigzag import padded_seq_len
+    g = torch.Generator().manual_seed(9)
+    ids = torch.randint(0, 96, (2, S_PAD), generator=g)
+    labels = ids.clone()
+    labels[1, :4] = -100
+    topo = init_topology(world, ring_size=ring)
+    assert padded_seq_len(S_PAD, world, ring) > S_PAD  # the premise: cp pads this batch
+    for rope_type in PADDED:
+        ref = _padded_model(rope_type)
+        ref_logits = ref(input_ids=ids).logits
+        loss = F.cross_entropy(ref_logits[:, :-1].reshape(-1, 96), labels[:, 1:].reshape(-1))
+        loss.backward()
+        ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
+        model = enable_context_parallel(_padded_model(rope_type), topo, backend="sdpa")
+        local = shard_batch({"input_ids": ids, "labels": labels}, topo)
+        real = local["position_ids"][0] < S_PAD  # this rank's columns that are tokens, not cp pads
+        with torch.no_grad():
+            logits = model(**{k: v for k, v in local.items() if k != "labels"}).logits
+        want = ref_logits.detach()[:, local["position_ids"][0][real]]
+        assert _rel(logits[:, real], want) < RTOL, (rope_type, world, ring, rank, _rel(logits[:, real], want))
+        loss_sum, count = CPCausalLM(model)(**local)
+        assert_share_matches_unsplit(model, loss_sum, count, topo, loss.detach(), ref_grads, (rope_type, world, ring))
+
+
+@pytest.mark.parametrize("world,ring", [(2, 1), (4, 1), (4, 2)])
+def test_length_dependent_rope_ignores_the_cp_padding(world, ring):
+    run_ranks(_check_padded, world, ring)
+
+
+def test_the_padding_would_change_the_length_dependent_frequencies():
+    # the premise of the test above: at the padded length the unsplit model's frequencies differ
+    for rope_type in PADDED:
+        x = torch.zeros(1, 1, 8)
+        cos_real, _ = _padded_model(rope_type).model.rotary_emb(x, torch.arange(S_PAD).unsqueeze(0))
+        cos_pad, _ = _padded_model(rope_type).model.rotary_emb(x, torch.arange(S_PAD + 1).unsqueeze(0))
+        assert _rel(cos_pad[:, :S_PAD], cos_real) > 1e-3, rope_type

@@ -1,7 +1,7 @@
 """The HF model config for a ModelConfig, without building the model (cheap; used before model load)."""
 from __future__ import annotations
 
-from ds_ulysses_ext.attention.layout import padded_length
+from ds_ulysses_ext.attention.zigzag import padded_seq_len
 
 
 def hf_config_of(model_cfg):
@@ -13,12 +13,12 @@ def hf_config_of(model_cfg):
     return AutoConfig.for_model(model_cfg.family, **model_cfg.arch)
 
 
-def position_warning(hf_config, seq_len: int, cp: int) -> str | None:
+def position_warning(hf_config, seq_len: int, cp: int, ring: int) -> str | None:
     """A pretrained checkpoint's config.json is known only here, after validate(): positions past its
     max_position_embeddings make RoPE extrapolate, silently. Long-context fine-tuning does that on purpose (with
     or without a RoPE scaling), so it is said, not refused (validate() refuses it for a model built from arch)."""
     limit = getattr(hf_config, "max_position_embeddings", None)
-    padded = padded_length(seq_len, cp)
+    padded = padded_seq_len(seq_len, cp, ring)  # a ring pads to a multiple of 2 x cp
     if not limit or padded <= limit:
         return None
     return (f"data.seq_len={seq_len} (padded to {padded} for cp) exceeds the model's max_position_embeddings="

@@ -33,8 +33,8 @@ from .evaluate import local_eval_batches
 def answer_hits(lm, shard: dict, topo: Topology) -> tuple[torch.Tensor, torch.Tensor]:
     """(hits [B], answer tokens [B]) summed over the CP group, for one sharded micro-batch."""
     hf = lm.hf
-    hidden_BsH = hf.get_decoder()(input_ids=shard["input_ids"], position_ids=shard["position_ids"],
-                                  use_cache=False).last_hidden_state
+    inputs = {k: v for k, v in shard.items() if k != "labels"}  # every other key shard_batch gives (rope.py's length)
+    hidden_BsH = hf.get_decoder()(**inputs, use_cache=False).last_hidden_state
     labels_Bs = shard["labels"]  # already shifted: position i's target
     mask_Bs = labels_Bs != IGNORE_INDEX
     # every rank calls lm_head, with n = 0 rows where its chunk holds no answer: ZeRO-3 gathers collectively

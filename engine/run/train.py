@@ -52,7 +52,8 @@ def train(cfg: TrainConfig, plan: Plan, rt: Runtime) -> dict:
 
     # --- data: a step's samples depend only on (seed, data, global batch), never on the layout
     hf_config = hf_config_of(cfg.model)
-    long_positions = position_warning(hf_config, plan.seq_len, plan.cp) if cfg.model.source == "pretrained" else None
+    long_positions = (position_warning(hf_config, plan.seq_len, plan.cp, plan.ring)
+                      if cfg.model.source == "pretrained" else None)
     if long_positions and rt.is_main:
         log.warning(long_positions)
     dataset, stats, tokenizer = build_dataset(cfg.data, seed=cfg.run.seed, vocab_size=hf_config.vocab_size)
