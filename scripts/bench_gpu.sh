@@ -29,6 +29,10 @@
 #                which is over the device's 10-minute command limit on one H200
 #   moe_block    the MoE block, Qwen3-30B-A3B shape, bf16 fwd+bwd at 16k and 64k tokens: ours (scripts/bench_moe.py,
 #                recompute none / experts / experts + offload) and the anchor, HF's grouped_mm block (moe_bench.py)
+#   kernels_short  Llama-3.2-1B shape at $SHORT_POINTS (default 16k and 32k, full_recompute, bf16 master weights): ours
+#                with each model.kernels of $KERNELS (default "liger none"), then HF + Liger ($SHORT_ANCHORS)
+#   moe_short    the 4-layer Qwen3-30B-A3B shape at $MOE_POINTS (default 16384:none): ours with each of $KERNELS, then
+#                HF + Liger (moe_model_bench.py --liger) at $MOE_HF_SEQS
 #   moe_train    training steps of the 4-layer Qwen3-30B-A3B shape: ours ($MOE_POINTS, S:memory, bf16 master weights,
 #                $MOE_EXTRA, default moe=expert_recompute) and stock HF (moe_model_bench.py) at $MOE_HF_SEQS
 #   train_1m_4l  the same 1M-token step with 4 of the 16 layers: GPU memory is set by one layer's working set
@@ -102,6 +106,16 @@ for part in ${*:-attn train_short train_long}; do
     moe_block) python3 scripts/bench_moe.py --tokens 16384,65536 --modes ${MOE_MODES:-none,experts_g8,experts,experts_offload} \
                  | tee -a "$OUT/moe_block.jsonl"
                python3 .bench/anchor-bench/moe_bench.py --tokens 16384,65536 --impls grouped_mm | tee -a "$OUT/moe_block.jsonl" ;;
+    kernels_short) for k in ${KERNELS:-liger none}; do
+                     python3 scripts/bench_train.py --points ${SHORT_POINTS:-16384:full_recompute,32768:full_recompute} \
+                       --steps 4 deepspeed.master_weights=bf16 model.kernels=$k ${EXTRA:-}; done
+                   python3 scripts/bench_train.py --points ${SHORT_POINTS:-16384:full_recompute,32768:full_recompute} \
+                     --steps 4 --anchors ${SHORT_ANCHORS:-hf+liger} --order anchors-first --no-ours ;;
+    moe_short) for k in ${KERNELS:-liger none}; do
+                 python3 scripts/bench_train.py --model qwen3_30b_a3b_4l --points ${MOE_POINTS:-16384:none} --steps 4 \
+                   deepspeed.master_weights=bf16 moe.dispatcher=alltoall model.kernels=$k ${MOE_EXTRA:-}; done
+               python3 .bench/anchor-bench/moe_model_bench.py --seqs ${MOE_HF_SEQS:-16384} --layers 4 --liger \
+                 | tee -a "$OUT/moe_train_hf_liger.jsonl" ;;
     moe_train) python3 scripts/bench_train.py --model qwen3_30b_a3b_4l --points ${MOE_POINTS:-32768:full_recompute,131072:full_recompute} \
                  --steps 3 deepspeed.master_weights=bf16 ${MOE_EXTRA-moe=expert_recompute} moe.dispatcher=alltoall ${EXTRA:-}
                python3 .bench/anchor-bench/moe_model_bench.py --seqs ${MOE_HF_SEQS:-32768,65536} --layers 4 | tee -a "$OUT/moe_train_hf.jsonl" ;;

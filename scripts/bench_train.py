@@ -62,8 +62,10 @@ def run_ours(S, memory, args, out_root):
 
 
 def run_anchor(S, variant, args):
-    cmd = [sys.executable, str(Path(args.anchor_dir) / "model_bench.py"), "--seq", str(S), "--variant", variant,
-           "--warmup", "1", "--reps", str(max(1, args.steps - 1))]
+    """`variant`: an anchor-bench variant (hf, alst), `+liger` for the same with Liger-Kernel patched in."""
+    base, *kits = variant.split("+")
+    cmd = [sys.executable, str(Path(args.anchor_dir) / "model_bench.py"), "--seq", str(S), "--variant", base,
+           "--warmup", "1", "--reps", str(max(1, args.steps - 1))] + [f"--{kit}" for kit in kits]
     env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     t0 = time.time()
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
@@ -86,10 +88,11 @@ def main():
     ap.add_argument("--precision", default="bf16")
     ap.add_argument("--deepspeed", default="zero3")
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--anchors", default="", help="comma list of anchor-bench variants: hf, alst")
+    ap.add_argument("--anchors", default="", help="comma list of anchor-bench variants: hf, alst, hf+liger, alst+liger")
     ap.add_argument("--anchor-dir", default=str(ROOT / ".bench" / "anchor-bench"))
     ap.add_argument("--timeout", type=float, default=560)
     ap.add_argument("--order", default="ours-first", choices=["ours-first", "anchors-first"])
+    ap.add_argument("--no-ours", action="store_true", help="anchors only (ours measured by another command)")
     ap.add_argument("extra", nargs="*", help="more Hydra overrides for our runs")
     args = ap.parse_args()
     args.cp = args.cp or args.nproc
@@ -98,9 +101,9 @@ def main():
     anchors = [a for a in args.anchors.split(",") if a]
     for point in args.points.split(","):
         S, memory = point.split(":")
-        jobs = [lambda S=int(S), m=memory: run_ours(S, m, args, out_root)]
+        jobs = [] if args.no_ours else [lambda S=int(S), m=memory: run_ours(S, m, args, out_root)]
         jobs += [lambda S=int(S), a=a: run_anchor(S, a, args) for a in anchors]
-        if args.order == "anchors-first":
+        if args.order == "anchors-first" and not args.no_ours:
             jobs = jobs[1:] + jobs[:1]
         for job in jobs:
             try:
