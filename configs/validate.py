@@ -11,6 +11,7 @@ The config is never mutated: derived values (dp, grad_accum) are returned in the
 
 from dataclasses import dataclass, field
 
+from configs.conditional import check_conditional_keys
 from configs.data import BAD_LINE_POLICIES, DATA_FORMATS, DATA_SOURCES, OVERLONG_POLICIES, check_data
 from configs.errors import one_of, require
 from configs.log import WANDB_MODES, check_logging
@@ -39,6 +40,9 @@ class Plan:
     precision: str
     ring: int = 1  # ranks of the cp group in a ring (cp / ring consecutive ranks per Ulysses group); 1: pure Ulysses
     ring_reason: str = field(default="", compare=False)  # why this layout: the run logs it
+    # keys set that this run never reads but whose neglect changes nothing trained (configs/conditional.py): the run
+    # logs each once
+    unread: tuple = field(default=(), compare=False)
 
 
 def validate(cfg: TrainConfig, world_size: int) -> Plan:
@@ -57,6 +61,7 @@ def validate(cfg: TrainConfig, world_size: int) -> Plan:
     check_positions(cfg, ring)  # after parallelism.cp/ring are known to be valid: the padding depends on them
     check_rope(cfg)
     grad_accum = check_batch(cfg.trainer, dp)
+    unread = check_conditional_keys(cfg)  # last: each group's own rules name their keys first
     return Plan(
         world_size=world_size,
         cp=cfg.parallelism.cp,
@@ -70,6 +75,7 @@ def validate(cfg: TrainConfig, world_size: int) -> Plan:
         precision=cfg.precision,
         ring=ring,
         ring_reason=ring_reason,
+        unread=tuple(unread),
     )
 
 

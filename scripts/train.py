@@ -44,6 +44,9 @@ def run(cfg: TrainConfig) -> dict:
                         format=f"[rank{rt.rank}] %(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     if rt.device.type == "cuda" and cfg.memory.expandable_segments:
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # before the first allocation
+    if rt.is_main:
+        for message in plan.unread:  # keys the run accepted but will not read (configs/conditional.py)
+            logging.getLogger("configs").warning(message)
     init_distributed(rt)
     from engine.run.train import train, write_resolved_config
     if rt.is_main:
