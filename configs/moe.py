@@ -25,8 +25,9 @@ class MoEConfig:
 
 
 # families whose MoE blocks ds_ulysses_ext.moe replaces (and so can split over ep); other MoE families run HF's
-# (gpt_oss: HF's GptOssMLP becomes our block with GPT-OSS's router, biases and clamped SwiGLU, docs/moe.md)
-EP_FAMILIES = ("qwen3_moe", "latent_moe", "gpt_oss")
+# (gpt_oss: HF's GptOssMLP becomes our block with GPT-OSS's router, biases and clamped SwiGLU; deepseek_v3,
+# glm4_moe_lite, glm4_moe: HF's DeepseekV3MoE-style block with its biased, group-limited sigmoid router, docs/moe.md)
+EP_FAMILIES = ("qwen3_moe", "latent_moe", "gpt_oss", "deepseek_v3", "glm4_moe_lite", "glm4_moe")
 
 
 def check_moe(cfg, world_size: int) -> None:

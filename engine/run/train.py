@@ -30,6 +30,7 @@ from ..ds.hf_config import hf_config_of, position_warning
 from ..observe.flops import attention_sq, count_params, detect_peak_tflops, layer_windows, step_flops
 from ..observe.host_memory import log_offload_estimate
 from ..observe.nonfinite import NonFiniteStep, judge, skipped_warning
+from ..observe.memory_report import log_memory_breakdown
 from ..observe.oom import oom_advice
 from ..observe.plot import plot_loss
 from ..observe.profile import maybe_profile
@@ -126,6 +127,8 @@ def train(cfg: TrainConfig, plan: Plan, rt: Runtime) -> dict:
                               packed_attention_sq(micro_batches, hf_config, topo, rt.device))
             if step + 1 == cfg.logging.profile_step:
                 record["profiled"] = True  # its step time includes the profiler's overhead and trace export
+            if step == start and rt.is_main:  # once: what the device holds, part by part (issue: step efficiency)
+                record["memory_gib"] = log_memory_breakdown(engine, rt.device)
             skipped, fatal = judge(result, cfg.trainer.on_nonfinite)
             if skipped:
                 record["skipped"] = True
