@@ -37,7 +37,8 @@ class DeepSpeedConfig:
     offload_param: bool = False  # parameters to host memory; needs zero_stage=3
     overlap_comm: bool = True  # overlap gradient reduction with backward
     contiguous_gradients: bool = True  # copy grads into one buffer as produced; less fragmentation
-    reduce_bucket_size: int = 500_000_000  # elements per gradient reduce bucket
+    # elements per gradient reduce bucket; 0: sized to the run (engine/ds/config.py reduce_bucket_elements)
+    reduce_bucket_size: int = 0
     stage3_param_persistence_threshold: int = 100_000  # params smaller than this stay gathered (ZeRO-3)
     stage3_prefetch_bucket_size: int = 50_000_000  # elements prefetched ahead of use (ZeRO-3)
     # dtype of the optimizer's master weights, gradients and Adam moments. fp32: DeepSpeed's mixed precision

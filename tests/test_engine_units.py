@@ -295,6 +295,20 @@ def test_zero3_on_one_rank_runs_as_zero2_unless_params_are_offloaded():
     assert to_deepspeed_dict(cfg, validate(cfg, 2))["zero_optimization"]["stage"] == 3
 
 
+def test_reduce_buckets_are_sized_to_the_run():
+    """One rank reduces nothing: DeepSpeed's 5e8-element buckets (2 GB in bf16 with overlap) would hold copies only."""
+    from configs import compose_config, validate
+    from engine.ds.config import to_deepspeed_dict
+    cfg = compose_config(["parallelism=cp1", "deepspeed=zero3"])
+    zero = to_deepspeed_dict(cfg, validate(cfg, 1))["zero_optimization"]
+    assert zero["reduce_bucket_size"] == 20_000_000 and zero["overlap_comm"] is False
+    cfg = compose_config(["deepspeed=zero3"])
+    zero = to_deepspeed_dict(cfg, validate(cfg, 2))["zero_optimization"]
+    assert zero["reduce_bucket_size"] == 500_000_000 and zero["overlap_comm"] is True
+    cfg = compose_config(["parallelism=cp1", "deepspeed.reduce_bucket_size=1234"])
+    assert to_deepspeed_dict(cfg, validate(cfg, 1))["zero_optimization"]["reduce_bucket_size"] == 1234
+
+
 def _ds_dict(overrides, world=1):
     from configs import compose_config, validate
     from engine.ds.config import to_deepspeed_dict

@@ -22,11 +22,12 @@ def to_deepspeed_dict(cfg: TrainConfig, plan: Plan, load_universal: bool = False
     """`load_universal`: the resume loads a re-partitioned copy (engine/checkpoints/reshard.py)."""
     ds = cfg.deepspeed
     stage = effective_zero_stage(cfg, plan)
+    alone = plan.world_size == 1
     zero: dict = {
         "stage": stage,
-        "overlap_comm": ds.overlap_comm,
+        "overlap_comm": ds.overlap_comm and not alone,  # alone there is no reduction to overlap with
         "contiguous_gradients": ds.contiguous_gradients,
-        "reduce_bucket_size": ds.reduce_bucket_size,
+        "reduce_bucket_size": reduce_bucket_elements(cfg, plan),
         "reduce_scatter": True,  # pinned: grad_reduction.py's scale assumes it
     }
     if stage == 3:
@@ -58,6 +59,19 @@ def to_deepspeed_dict(cfg: TrainConfig, plan: Plan, load_universal: bool = False
         # ZeRO-Offload needs DeepSpeed's CPU Adam; it refuses a client torch optimizer
         config["optimizer"] = {"type": "AdamW", "params": optimizer_params(cfg)}
     return config
+
+
+DEFAULT_BUCKET = 500_000_000  # DeepSpeed's own default: large messages for NCCL between GPUs
+ALONE_BUCKET = 20_000_000  # one rank reduces nothing: the bucket only stages a copy (40 MB in bf16)
+
+
+def reduce_bucket_elements(cfg: TrainConfig, plan: Plan) -> int:
+    """deepspeed.reduce_bucket_size, or (0) one sized to the run. DeepSpeed holds one bucket (two with overlap_comm)
+    of this many gradient elements for the whole run: 5e8 is 1 GB in bf16, 2 GB with overlap, which a single rank
+    spends on copies only (its "reduction" is the identity), a third of the 1B model's weights and gradients."""
+    if cfg.deepspeed.reduce_bucket_size:
+        return cfg.deepspeed.reduce_bucket_size
+    return ALONE_BUCKET if plan.world_size == 1 else DEFAULT_BUCKET
 
 
 def bf16_section(cfg: TrainConfig) -> dict:
