@@ -78,11 +78,16 @@ AUDIT = {
     "qk_rope_head_dim": "tests/test_mla_cp.py (4: k's rope part shared by the heads, rotated before the exchange)",
     "v_head_dim": "tests/test_mla_cp.py (8 != q/k's 12: the exchange, masks, ring blocks and merge take it)",
     "rope_interleave": "deepseek_v3_rope_not_interleaved; true in every tiny MLA model",
-    "first_k_dense_replace": "deepseek_v3_all_dense, glm4_moe_first_k_dense_0; 1 in the tiny models",
-    "mlp_layer_types": "glm4_moe_lite_mlp_layer_types",
+    "first_k_dense_replace": "deepseek_v3_all_dense, glm4_moe_first_k_dense_0; 1 in the tiny models (the dense "
+                             "layer stays HF's at ep > 1: tests/test_moe_deepseek.py)",
+    "mlp_layer_types": "glm4_moe_lite_mlp_layer_types; tests/test_moe_deepseek.py (dense, sparse at ep 2)",
     "n_routed_experts": "tests/test_mla_cp.py (8); ep must divide it (validate)",
-    "n_shared_experts": "deepseek_v3_two_shared", "n_group": "deepseek_v3_groups; 2 in the tiny models",
-    "topk_group": "deepseek_v3_groups", "routed_scaling_factor": "deepseek_v3_groups; 2.5 in the tiny models",
+    # the MoE fields at ep > 1 through our block: tests/test_moe_deepseek.py (the block against HF's with groups on
+    # and off, norm false, scaling 1 and 2.5, two shared experts; whole models at cp x ep 2x2, 4x4, 4x2, ring 2)
+    "n_shared_experts": "deepseek_v3_two_shared; tests/test_moe_deepseek.py (2 in the block test)",
+    "n_group": "deepseek_v3_groups; tests/test_moe_deepseek.py (2 and 4 groups)",
+    "topk_group": "deepseek_v3_groups; tests/test_moe_deepseek.py; refused where HF's rule cannot run (router.py)",
+    "routed_scaling_factor": "deepseek_v3_groups; tests/test_moe_deepseek.py (2.5)",
     "use_qk_norm": "glm4_moe_no_qk_norm; true in the tiny model",
     "num_mtp_layers": "inert: transformers 5.22 builds no multi-token-prediction layers (their weights are dropped "
                       "at load)",
