@@ -317,3 +317,28 @@ def test_fused_per_token_kernels_match_fp32(name, weight_in_fp32):
         for got, ref in zip(*results):
             assert got.dtype == torch.bfloat16
             assert _rel(got, ref) < TOL, (op, _rel(got, ref))
+
+
+def test_moe_block_at_ep1_never_syncs_the_host():
+    """The MoE block's forward and backward at ep=1 (grouped experts, bf16) under CUDA's sync debug mode: any
+    device-to-host read (a count, an item) raises; the output against the same block in fp32."""
+    from ds_ulysses_ext.moe import MoEBlock, MoESpec
+    torch.manual_seed(0)
+    block = MoEBlock(MoESpec(2048, 128, 8, 768, norm_topk_prob=True)).cuda()
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.02)
+    ref = MoEBlock(MoESpec(2048, 128, 8, 768, norm_topk_prob=True)).cuda()
+    ref.load_state_dict(block.state_dict())
+    block = block.to(torch.bfloat16)
+    x = torch.randn(1, 4096, 2048, device="cuda")
+    out_ref = ref(x)
+    xb = x.to(torch.bfloat16).requires_grad_()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = block(xb)
+        out.float().square().sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert _rel(out, out_ref) < TOL, _rel(out, out_ref)

@@ -157,3 +157,29 @@ def test_sigmoid_router_matches_hf_deepseek_v3_router(norm):
     w, e, _ = ours(x)
     assert torch.equal(e, e_hf)
     _close(w, w_hf, f"weights norm_topk_prob={norm}")
+
+
+def test_ep1_grouped_experts_read_no_count_on_the_host(monkeypatch):
+    """At ep=1 the routed counts stay on the device for the grouped experts (on CUDA every host read is a sync in
+    each layer's forward): forward and backward with every explicit tensor-to-host read failing, against the loop."""
+    import ds_ulysses_ext.moe.experts as experts_module
+    spec = MoESpec(16, 8, 2, 12, norm_topk_prob=True)
+    x = torch.randn(2, 9, 16)
+    ref_block, block = _block(spec), _block(spec)
+    x_ref, x_new = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out_ref = ref_block(x_ref)
+    out_ref.square().sum().backward()
+
+    monkeypatch.setattr(experts_module, "_grouped_mm_ok", lambda *a: True)  # torch._grouped_mm runs on CPU too
+
+    def host_read(*args, **kwargs):
+        raise AssertionError("a tensor was read on the host")
+    for name in ("tolist", "item", "__int__", "__float__"):
+        monkeypatch.setattr(torch.Tensor, name, host_read)
+    out = block(x_new)
+    out.square().sum().backward()
+    monkeypatch.undo()
+    _close(out.detach(), out_ref.detach(), "output")
+    _close(x_new.grad, x_ref.grad, "input grad")
+    for (name, p), p_ref in zip(block.named_parameters(), ref_block.parameters()):
+        _close(p.grad, p_ref.grad, name)

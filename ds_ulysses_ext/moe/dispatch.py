@@ -32,7 +32,7 @@ class Handle:
     num_tokens: int
     token_of_slot_N: torch.Tensor  # sorted slot -> its token (the slots of this rank's tokens, expert-major)
     weights_N: Optional[torch.Tensor]  # routing weight of each sorted slot (DeepEP's combine uses these)
-    local_counts: list[int]  # received slots per local expert
+    local_counts: "list[int] | torch.Tensor"  # received slots per local expert (ep=1: a device tensor, never synced)
     weights_Tk: Optional[torch.Tensor] = None  # routing weights in token order (the all-to-all combine's)
     slot_order_N: Optional[torch.Tensor] = None  # sorted position -> flat slot t * k + j
     slot_inverse_N: Optional[torch.Tensor] = None  # flat slot -> sorted position
@@ -60,16 +60,18 @@ class AllToAllDispatcher:
         x_sorted = _ExpandToSlots.apply(x_TD, order, inverse, k)
         counts_E = torch.bincount(flat, minlength=self.num_experts)
         handle = Handle(T, order // k, None, [], weights_Tk=weights_Tk, slot_order_N=order, slot_inverse_N=inverse)
-        if self.ep == 1:
-            handle.local_counts = counts_E.tolist()
+        if self.ep == 1:  # the counts stay on the device: the grouped experts read them there, no host sync
+            handle.local_counts = counts_E
             return x_sorted, handle
         counts_RE = counts_E.view(self.ep, self.num_local)
         recv_RE = torch.empty_like(counts_RE)
         dist.all_to_all_single(recv_RE, counts_RE, group=self.group)  # how many slots each source sends per expert
-        send, recv = counts_RE.sum(1).tolist(), recv_RE.sum(1).tolist()  # one host sync: the splits must be known
+        # the layer's one host sync: the all-to-all's splits must be known there; the experts' counts come with them
+        host = torch.cat([counts_RE.sum(1), recv_RE.sum(1), recv_RE.sum(0)]).tolist()
+        send, recv, local = host[:self.ep], host[self.ep:2 * self.ep], host[2 * self.ep:]
         x_recv = _exchange(x_sorted, recv, send, self.group)
         perm = _source_major_to_expert_major(recv_RE, sum(recv))
-        handle.local_counts, handle.send_splits, handle.recv_splits = recv_RE.sum(0).tolist(), send, recv
+        handle.local_counts, handle.send_splits, handle.recv_splits = local, send, recv
         handle.to_expert_major_N, handle.to_source_major_N = perm, _inverse(perm)
         return _Permute.apply(x_recv, perm, handle.to_source_major_N), handle
 

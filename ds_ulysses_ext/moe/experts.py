@@ -94,9 +94,11 @@ class GroupedExperts(torch.nn.Module):
             return self.gate_up_proj, self.down_proj, self.gate_up_proj_bias, self.down_proj_bias
         return self.gate_up_proj, self.down_proj
 
-    def forward(self, x_ND: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def forward(self, x_ND: torch.Tensor, counts) -> torch.Tensor:
+        """`counts`: rows per local expert, a host list or (ep=1) a device tensor, read on the host only where a
+        path slices rows by expert (the loop, recompute groups)."""
         if self.recompute == "experts":
-            return _RecomputedExperts.apply(x_ND, self, counts, *self.weights())
+            return _RecomputedExperts.apply(x_ND, self, host_counts(counts), *self.weights())
         return self._ffn(x_ND, counts, *self.weights())
 
     def _act(self, h_N2I: torch.Tensor) -> torch.Tensor:
@@ -121,7 +123,7 @@ class GroupedExperts(torch.nn.Module):
         act = (lambda h: checkpoint(self._act, h, use_reentrant=False)) if self.recompute == "act" else self._act
         qwen3 = self.layout == "qwen3"
         if self.layout in GROUPED_LAYOUTS and _grouped_mm_ok(x_ND, gate_up, down):
-            counts_G = torch.tensor(counts, device=x_ND.device, dtype=torch.int64)
+            counts_G = counts if torch.is_tensor(counts) else torch.tensor(counts, device=x_ND.device, dtype=torch.int64)
             offs = counts_G.cumsum(0, dtype=torch.int32)
             # mat2 [G, K, N]: Qwen3's [G, N, K] weights transposed (a view); GPT-OSS's are stored that way
             h = torch._grouped_mm(x_ND, gate_up.transpose(-2, -1) if qwen3 else gate_up, offs=offs)
@@ -130,7 +132,7 @@ class GroupedExperts(torch.nn.Module):
             y = torch._grouped_mm(act(h), down.transpose(-2, -1) if qwen3 else down, offs=offs)
             return y if down_bias is None else _SegmentBias.apply(y, down_bias, counts_G)
         outs = []
-        for e, rows in enumerate(torch.split(x_ND, counts)):
+        for e, rows in enumerate(torch.split(x_ND, host_counts(counts))):
             if qwen3:
                 h = F.linear(rows, gate_up[e], None if gate_up_bias is None else gate_up_bias[e])
                 y = F.linear(act(h), down[e], None if down_bias is None else down_bias[e])
@@ -204,6 +206,10 @@ class _RecomputedExperts(torch.autograd.Function):
                 if g is not None:
                     full[a:b] = g
         return (grad_x, None, None, *grad_weights)
+
+
+def host_counts(counts) -> list:
+    return counts.tolist() if torch.is_tensor(counts) else counts
 
 
 def _grouped_mm_ok(x_ND: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
