@@ -7,7 +7,8 @@ the router and a shared expert see the full hidden state; the routed experts wor
 then moves latent_size / hidden_size of the bytes it would move at full width.
 
 It round-trips through `save_pretrained` / `from_pretrained` once `register_latent_moe()` has run (the engine and
-`enable_expert_parallel` run it): HF's Auto classes then know the type.
+`enable_expert_parallel` run it): HF's Auto classes then know the type. `router_expert_bias=true` (the export writes
+it when the routers carry moe.balance=bias's `expert_bias`) builds that buffer, so from_pretrained reads it too.
 """
 from __future__ import annotations
 
@@ -26,8 +27,9 @@ class LatentMoeConfig(Qwen3MoeConfig):
     model_type = "latent_moe"
 
     def __init__(self, latent_size: int = 512, shared_expert_intermediate_size: int = 0,
-                 router_score: str = "softmax", **kwargs):
+                 router_score: str = "softmax", router_expert_bias: bool = False, **kwargs):
         self.latent_size = latent_size
+        self.router_expert_bias = router_expert_bias
         self.shared_expert_intermediate_size = shared_expert_intermediate_size
         self.router_score = router_score
         super().__init__(**kwargs)
@@ -39,7 +41,7 @@ class LatentMoeForCausalLM(Qwen3MoeForCausalLM):
     def __init__(self, config: LatentMoeConfig):
         super().__init__(config)
         from .parallel import hf_moe_spec
-        spec = hf_moe_spec(config)
+        spec = hf_moe_spec(config, expert_bias=bool(config.router_expert_bias))
         for layer_id, layer in enumerate(self.model.layers):
             if isinstance(layer.mlp, Qwen3MoeSparseMoeBlock):
                 layer.mlp = MoEBlock(spec, layer_id)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from pathlib import Path
 
 import torch.distributed as dist
@@ -20,11 +21,27 @@ from ..ds.build import hf_attn, model_dtype, no_init_weights
 from ..ds.hf_config import hf_config_of
 from . import checkpoint
 
+log = logging.getLogger(__name__)
+
 _PREFIX = "hf."  # CPCausalLM holds the HF model as `.hf`
 
 
 def _save_folder(hf_model, state: dict, export_dir: Path, tokenizer=None) -> None:
     state = {k.removeprefix(_PREFIX): v.detach().cpu() for k, v in state.items()}
+    unread = _stock_unread(hf_model)
+    if unread:
+        note = (f"holds {len(unread)} tensor(s) stock HF {type(hf_model).__name__} has no place for ({unread[0]}, "
+                "...): the routers' expert_bias of moe.balance=bias, which takes part in choosing each token's "
+                "experts and cannot be folded into the weights. Stock HF from_pretrained reports them as UNEXPECTED "
+                "and routes without them, which is another model; ds_ulysses_ext reads them "
+                "(scripts/train.py or scripts/eval_retrieval.py with model.source=pretrained model.path=<this "
+                "folder>), and routes as trained")
+        hf_model.config.ds_ulysses_ext_note = f"This export {note}"
+        log.warning("the HF export %s %s", export_dir, note)
+    elif hasattr(hf_model.config, "ds_ulysses_ext_note"):  # a note read in with the weights this run started from
+        del hf_model.config.ds_ulysses_ext_note
+    if hasattr(hf_model.config, "router_expert_bias"):  # LatentMoE's own class builds and reads the buffer
+        hf_model.config.router_expert_bias = any(k.endswith(".expert_bias") for k in state)
     impl = hf_model.config._attn_implementation
     hf_model.config._attn_implementation = "sdpa"  # the export must load without this package
     try:
@@ -33,6 +50,17 @@ def _save_folder(hf_model, state: dict, export_dir: Path, tokenizer=None) -> Non
         hf_model.config._attn_implementation = impl
     if tokenizer is not None:
         tokenizer.save_pretrained(str(export_dir))
+
+
+def _stock_unread(hf_model) -> list[str]:
+    """State-dict keys of the buffers our routers add under a name of ours (`expert_bias`), which the stock HF
+    class does not have; none for our own LatentMoE class, nor for a bias under HF's name (DeepSeek-V3's)."""
+    from ds_ulysses_ext.moe import TopKRouter
+    from ds_ulysses_ext.moe.latent_model import LatentMoeForCausalLM
+    if isinstance(hf_model, LatentMoeForCausalLM):
+        return []
+    return [f"{name}.expert_bias" for name, mod in hf_model.named_modules()
+            if isinstance(mod, TopKRouter) and "expert_bias" in mod._buffers]
 
 
 def export_hf(engine, hf_model, export_dir: Path, rank: int, tokenizer=None) -> Path:
@@ -91,13 +119,20 @@ def export_hf_from_checkpoint(out_dir: Path, tag: str | None = None, export_dir:
             "is not supported (expert shards are partitioned per EP rank). Use the run's own export "
             "(trainer.export_hf=true writes <run.out_dir>/hf_export), or resume it and let it export at the end")
     export_dir = Path(export_dir or out_dir / f"hf_export_{tag}")
+    state = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint.ckpt_root(out_dir)), tag=tag)
+    state = {k.removeprefix(_PREFIX): v for k, v in state.items()}
+    expert_bias = any(k.endswith(".expert_bias") for k in state)  # zero_to_fp32 returns the buffers too
+    hf_config = hf_config_of(cfg.model)
+    if hasattr(hf_config, "router_expert_bias"):
+        hf_config.router_expert_bias = expert_bias
     # every weight is overwritten from the checkpoint, so HF's random init would be wasted time
     with no_init_weights() if no_init_weights is not None else contextlib.nullcontext():
         # the attention HF accepts for the family (GPT-OSS refuses sdpa); nothing here runs it
-        hf_model = AutoModelForCausalLM.from_config(hf_config_of(cfg.model), dtype=model_dtype(cfg),
+        hf_model = AutoModelForCausalLM.from_config(hf_config, dtype=model_dtype(cfg),
                                                     attn_implementation=hf_attn(cfg.model))
-    state = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint.ckpt_root(out_dir)), tag=tag)
-    state = {k.removeprefix(_PREFIX): v for k, v in state.items()}
+    if expert_bias:  # our blocks hold the routers' bias; the stock Qwen3-MoE / GPT-OSS blocks have no place for it
+        from ds_ulysses_ext.moe.parallel import replace_hf_blocks
+        replace_hf_blocks(hf_model, expert_bias=True)
     hf_model.load_state_dict(state, strict=True)  # zero_to_fp32 names a tied lm_head too
     _save_folder(hf_model, hf_model.state_dict(), export_dir, tokenizer_of(cfg.data))
     return export_dir

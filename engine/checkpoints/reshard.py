@@ -11,8 +11,10 @@ ZeRO-3 on one rank as ZeRO-2). At resume:
 - another world size, this run on ZeRO-3 (the checkpoint on ZeRO-3, or on ZeRO-2, e.g. a 1-rank run): rank 0
   converts the checkpoint with DeepSpeed's own `ds_to_universal` (per-parameter fp32 weights and Adam moments,
   no partitioning) into checkpoints/universal/<tag>, every rank loads that with `checkpoint.load_universal`,
-  `finish_reshard` repairs what the loader leaves wrong, and the copy is deleted. Exact: the trajectory
-  continues as the uninterrupted run's (tests/test_engine.py: 2 -> 4 and 1 -> 2 ranks);
+  `finish_reshard` repairs what the loader leaves wrong (Adam's step device; the module's buffers, which the
+  universal format does not hold, from the checkpoint's model-states file), and the copy is deleted. Exact: the
+  trajectory continues as the uninterrupted run's (tests/test_engine.py: 2 -> 4 and 1 -> 2 ranks; MoE with every
+  moe.balance, tests/test_moe_engine.py);
 - this run on ZeRO-2 (one rank, or deepspeed=zero2), or `trainer.reshard_on_resume=false`: refused before the
   model is built, with the fix (DeepSpeed 0.19.8's universal format did not load into ZeRO-2 when tried). One
   rank with deepspeed.offload_param=true runs ZeRO-3 and so can take a re-partitioned checkpoint.
@@ -29,6 +31,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .buffers import restore_from_checkpoint
 from .checkpoint import LAYOUT_FILE, ckpt_root, read_json
 
 log = logging.getLogger(__name__)
@@ -116,9 +119,12 @@ def _zero2_universal_for_zero3(src: Path, dst: Path) -> None:
     shutil.copy(dst / "mp_rank_00_model_states.pt", dst / "zero_pp_rank_0_mp_rank_00_model_states.pt")
 
 
-def finish_reshard(engine, out_dir: Path, rank: int) -> None:
-    """After every rank has loaded the converted copy: repair what DeepSpeed's universal loader leaves wrong,
-    then delete the copy."""
+def finish_reshard(engine, out_dir: Path, rank: int, tag: str) -> None:
+    """After every rank has loaded the converted copy of checkpoint `tag`: repair what DeepSpeed's universal loader
+    leaves wrong, then delete the copy."""
+    # the universal loader restores parameters only: every persistent buffer (moe.balance=bias's router bias)
+    # would keep its initial value (buffers.py)
+    restore_from_checkpoint(engine.module, ckpt_root(out_dir) / tag)
     # DeepSpeed 0.19.8's ZeRO-3 universal loader sets Adam's `step` from a CPU-loaded file, on the CPU; torch's
     # fused AdamW then refuses the first step on a GPU ("state_steps is on cpu"). Found on two H200s
     # (scripts/check_reshard.sh); a CPU run cannot show it.

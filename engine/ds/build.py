@@ -18,6 +18,7 @@ from ds_ulysses_ext.memory import ProbeResult, apply_memory_policies
 from ds_ulysses_ext.moe import moe_blocks
 from ds_ulysses_ext.moe.parallel import MoESettings, enable_expert_parallel, expert_parameters
 
+from ..checkpoints.buffers import restore_from_export
 from ..run.schedule import build_scheduler
 from .config import optimizer_params, to_deepspeed_dict
 from .grad_reduction import check_engine
@@ -53,7 +54,10 @@ def build_hf_model(cfg: TrainConfig, ds_dict: dict, device: torch.device = torch
     m = cfg.model
     torch.manual_seed(cfg.run.seed)  # random init is identical on every rank and every layout
     if m.source == "pretrained":
-        model = AutoModelForCausalLM.from_pretrained(m.path, dtype=model_dtype(cfg), attn_implementation=hf_attn(m))
+        model, info = AutoModelForCausalLM.from_pretrained(m.path, dtype=model_dtype(cfg), output_loading_info=True,
+                                                           attn_implementation=hf_attn(m))
+        # what the stock class dropped (our MoE routers' expert_bias): build() puts it back once our blocks are in
+        model._unread_keys = set(info["unexpected_keys"])
     else:
         hf_config = hf_config_of(m)
         if zero3 or no_init_weights is None:  # zero.Init partitions while HF builds: that path stays HF's own
@@ -107,6 +111,7 @@ def build(cfg: TrainConfig, plan: Plan, topo: Topology, device: torch.device, lo
             mark_expert_parallel(expert_parameters(hf), topo)  # before deepspeed.initialize partitions them
     # before the memory policies: they wrap these forwards (a tiled MLP runs the fused product per tile)
     apply_fused_kernels(hf, cfg.model.kernels, device)
+    restore_from_export(hf, cfg.model.path, hf.__dict__.pop("_unread_keys", ()))
     policies = _apply_memory(hf, cfg)
     model = CPCausalLM(hf, loss_chunk_size=cfg.trainer.loss_chunk_size, fused_loss=cfg.trainer.fused_loss)
     if stage != cfg.deepspeed.zero_stage:

@@ -90,7 +90,7 @@ def train(cfg: TrainConfig, plan: Plan, rt: Runtime) -> dict:
     if tag is not None:
         start = checkpoint.load(engine, out_dir, tag, rt.rank, load_root)
         if reshard:
-            finish_reshard(engine, out_dir, rt.rank)
+            finish_reshard(engine, out_dir, rt.rank, tag)
         if rt.is_main:
             log.info("resumed from %s at step %d%s", tag, start, ", re-partitioned for these ranks" if reshard else "")
 
