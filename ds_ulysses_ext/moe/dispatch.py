@@ -58,7 +58,9 @@ class AllToAllDispatcher:
         order = torch.argsort(flat, stable=True)  # stable: a token's k slots keep their order inside an expert
         inverse = _inverse(order)
         x_sorted = _ExpandToSlots.apply(x_TD, order, inverse, k)
-        counts_E = torch.bincount(flat, minlength=self.num_experts)
+        # a scatter-add, not bincount: bincount sizes its output from the largest id, a host read on CUDA
+        counts_E = torch.zeros(self.num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
+            0, flat, torch.ones_like(flat))
         handle = Handle(T, order // k, None, [], weights_Tk=weights_Tk, slot_order_N=order, slot_inverse_N=inverse)
         if self.ep == 1:  # the counts stay on the device: the grouped experts read them there, no host sync
             handle.local_counts = counts_E
