@@ -1,5 +1,5 @@
-"""What the device holds after the first step, said once: parameters, master weights, optimizer states, the gradient
-buffer, DeepSpeed's other resident buffers, and the step's transient peak (activations and temporaries).
+"""What the device holds, said once after the second step (the first with every part in place): parameters, master
+weights, optimizer states, the gradient buffer, DeepSpeed's other resident buffers, and the activation peak.
 
 Counted from the tensors themselves (each storage once), not estimated: ZeRO-1/2 keep the master weights in
 `single_partition_of_fp32_groups`; ZeRO-3 in `fp32_partitioned_groups_flat`; the Adam moments are the inner
@@ -79,5 +79,5 @@ def memory_breakdown(engine, device: torch.device) -> dict:
 
 def log_memory_breakdown(engine, device: torch.device) -> dict:
     out = memory_breakdown(engine, device)
-    log.info("memory after the first step (GiB): %s", ", ".join(f"{k} {v:.2f}" for k, v in out.items()))
+    log.info("memory after the second step (GiB): %s", ", ".join(f"{k} {v:.2f}" for k, v in out.items()))
     return out

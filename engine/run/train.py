@@ -127,7 +127,9 @@ def train(cfg: TrainConfig, plan: Plan, rt: Runtime) -> dict:
                               packed_attention_sq(micro_batches, hf_config, topo, rt.device))
             if step + 1 == cfg.logging.profile_step:
                 record["profiled"] = True  # its step time includes the profiler's overhead and trace export
-            if step == start and rt.is_main:  # once: what the device holds, part by part (issue: step efficiency)
+            # once, what the device holds part by part: after the second step, the first with every part in place
+            # (the optimizer allocates its states inside the first step, after that step's activation peak)
+            if step == min(start + 1, stop - 1) and rt.is_main:
                 record["memory_gib"] = log_memory_breakdown(engine, rt.device)
             skipped, fatal = judge(result, cfg.trainer.on_nonfinite)
             if skipped:
