@@ -57,3 +57,27 @@ def _check(rank, world, clip):
 @pytest.mark.parametrize("clip", [0.1, 0.0], ids=["clipped", "unclipped"])
 def test_clip_inside_fused_adam_matches_deepspeed(world, clip):
     run_ranks(_check, world, clip)
+
+
+def _shared_master(rank, world):
+    import deepspeed
+    from engine.ds.patches import share_master_weights
+    from engine.observe.memory_report import memory_breakdown
+    patch_deepspeed_shm_build()
+    deepspeed.init_distributed(dist_backend="gloo")
+    theirs = _steps(_engine(0.1), rank)
+    engine = _engine(0.1)
+    assert share_master_weights(engine)
+    opt = engine.optimizer
+    assert opt.single_partition_of_fp32_groups[0].untyped_storage().data_ptr() == \
+        opt.bit16_groups_flat[0].untyped_storage().data_ptr()
+    assert memory_breakdown(engine, torch.device("cpu"))["master_weights"] == 0  # one copy of the weights
+    ours = _steps(engine, rank)
+    assert torch.equal(ours, theirs)  # the same update, bit for bit: the clone always equalled the parameters
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_master_weights_in_the_parameters_dtype_share_their_storage(world):
+    """engine.ds.patches.share_master_weights: ZeRO-1/2's master partition, when of the parameters' dtype, is the
+    parameters' own slice (no second copy), and the steps are DeepSpeed's own, bitwise."""
+    run_ranks(_shared_master, world)

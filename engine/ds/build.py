@@ -24,7 +24,7 @@ from .config import optimizer_params, to_deepspeed_dict
 from .grad_reduction import check_engine
 from .hf_config import hf_config_of
 from .init import init_random_weights
-from .patches import mark_expert_parallel
+from .patches import mark_expert_parallel, share_master_weights
 
 try:  # transformers >= 5; an older one builds with HF's own init, on the CPU, as before
     from transformers.initialization import no_init_weights
@@ -129,6 +129,8 @@ def build(cfg: TrainConfig, plan: Plan, topo: Topology, device: torch.device, lo
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_dict, mpu=topo,
                                       lr_scheduler=build_scheduler(cfg.trainer))
     scale = check_engine(engine, plan)
+    if share_master_weights(engine):  # one copy of the weights where the master copy would equal them
+        log.info("master weights share the parameters' storage (%s): no second copy", cfg.deepspeed.master_weights)
     log.info("gradient reduction: ZeRO-%d, per-rank loss share scaled by %g", engine.zero_optimization_stage(), scale)
     engine.memory_policies = policies
     return engine, hf, scale

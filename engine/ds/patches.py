@@ -107,6 +107,35 @@ def takes_grad_scale(optimizer) -> bool:
             and all(g.get("fused") for g in optimizer.param_groups))
 
 
+def share_master_weights(engine) -> bool:
+    """ZeRO-1/2 with master weights in the parameters' own dtype: let the master partition BE the parameters' slice.
+
+    DeepSpeedZeroOptimizer (0.19.8) always clones this rank's partition of the flat parameter buffer into
+    `single_partition_of_fp32_groups`, steps the optimizer on the clone, and copies the clone back into the
+    parameters after every step. When both are the same dtype (deepspeed.master_weights=bf16 in bf16, or fp32
+    training) the clone is a second copy of the weights (2.3 GiB for a 1.2B model in bf16) and the copy back a pass
+    over them. Pointing the master tensors at the parameters' slices makes the optimizer update the parameters in
+    place; the copy back becomes a copy onto itself. The values are those DeepSpeed computes: the clone always
+    equals the parameters between steps. Checkpoints save and load the same tensors (now one storage).
+    Returns whether it applied; CPU offload keeps the master on the host, other stages own their buffers.
+    """
+    from deepspeed import comm as ds_dist
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    opt = engine.optimizer
+    if not isinstance(opt, DeepSpeedZeroOptimizer) or opt.cpu_offload:
+        return False
+    shared = []
+    for i, master in enumerate(opt.single_partition_of_fp32_groups):
+        part = opt.parallel_partitioned_bit16_groups[i][ds_dist.get_rank(group=opt.real_dp_process_group[i])]
+        if part.dtype != master.dtype or part.numel() != master.numel() or part.device != master.device:
+            return False
+        shared.append((master, part))
+    for master, part in shared:
+        master.data = part.data
+    return True
+
+
 EXPERT_GROUP_NAME = "ds_ulysses_ep"
 
 
