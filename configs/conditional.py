@@ -63,6 +63,8 @@ CONDITIONAL: dict[str, Rule] = {
     "memory.selective_kept": Rule(lambda c: c.memory.recompute in ("block", "budget"), "memory.recompute=block or budget"),
     "memory.offload_max_gib": Rule(lambda c: c.memory.offload_activations, "memory.offload_activations=true"),
     "memory.mlp_tile_tokens": Rule(lambda c: c.memory.tiled_mlp, "memory.tiled_mlp=true"),
+    "memory.auto_gpu_gib": Rule(lambda c: c.memory.auto, "memory=auto (memory.auto=true)"),
+    "memory.auto_host_gib": Rule(lambda c: c.memory.auto, "memory=auto (memory.auto=true)"),
     "deepspeed.stage3_param_persistence_threshold": Rule(lambda c: c.deepspeed.zero_stage == 3,
                                                          "deepspeed.zero_stage=3", warn=True),
     "deepspeed.stage3_prefetch_bucket_size": Rule(lambda c: c.deepspeed.zero_stage == 3, "deepspeed.zero_stage=3",
@@ -94,7 +96,7 @@ UNCONDITIONAL = (
     "trainer.grad_clip", "trainer.on_nonfinite", "trainer.gc_every", "trainer.eval_every", "trainer.save_every",
     "trainer.save_every_minutes", "trainer.save_at_end", "trainer.resume", "trainer.max_minutes",
     "trainer.stop_after_steps", "trainer.export_hf", "trainer.loss_chunk_size", "trainer.fused_loss",
-    "memory.recompute", "memory.offload_activations", "memory.tiled_mlp",
+    "memory.recompute", "memory.offload_activations", "memory.tiled_mlp", "memory.auto",
     "memory.expandable_segments",  # the CUDA allocator's; a CPU run has none to configure, and nothing changes
     "logging.wandb.mode", "logging.progress_bar", "logging.log_every", "logging.phase_times", "logging.profile_step",
     "logging.peak_tflops",

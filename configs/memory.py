@@ -1,6 +1,6 @@
 """MemoryConfig: which activation-memory policies to apply (recompute, offload, tiling)."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 from configs.errors import require
@@ -36,6 +36,16 @@ class MemoryConfig:
     tiled_mlp: bool = False  # run the MLP over sequence tiles so its intermediate never exists whole
     mlp_tile_tokens: int = 8192  # tiled_mlp: tokens per tile
     expandable_segments: bool = True  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; less fragmentation
+    # memory=auto: before the build, predict every preset (ds_ulysses_ext/memory/planner.py) and run the fastest that
+    # fits (engine/run/auto_memory.py); the policy fields above are then the chosen preset's
+    auto: bool = False
+    auto_gpu_gib: float = 0.0  # memory.auto: GPU memory to fit in GiB; 0 = the device's (on CPU: no fitting, none)
+    auto_host_gib: float = 0.0  # memory.auto: host memory for offload in GiB; 0 = this host's physical memory
+
+
+# the policy fields a memory preset sets: what memory=auto fills in (and refuses to be given alongside it)
+AUTO_FILLS = tuple(f.name for f in fields(MemoryConfig)
+                   if f.name not in ("expandable_segments", "auto", "auto_gpu_gib", "auto_host_gib"))
 
 
 def _layer_count_in_range(count: int, lowest: int, arch: Mapping[str, Any]) -> tuple[bool, str]:
@@ -46,6 +56,13 @@ def _layer_count_in_range(count: int, lowest: int, arch: Mapping[str, Any]) -> t
 
 
 def check_memory(mem: MemoryConfig, arch: Mapping[str, Any]) -> None:
+    if mem.auto:
+        default = MemoryConfig()
+        chosen = [f"memory.{k}={getattr(mem, k)}" for k in AUTO_FILLS if getattr(mem, k) != getattr(default, k)]
+        require(not chosen, f"memory=auto chooses the policy fields itself, but {', '.join(chosen)} is set: drop "
+                            "it, or name a preset (memory=<name>) to set fields by hand")
+    require(mem.auto_gpu_gib >= 0 and mem.auto_host_gib >= 0,
+            f"memory.auto_gpu_gib={mem.auto_gpu_gib} and memory.auto_host_gib={mem.auto_host_gib} must be >= 0")
     if mem.recompute == "block":
         ok, upper = _layer_count_in_range(mem.recompute_num_layers, 1, arch)
         require(

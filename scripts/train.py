@@ -44,6 +44,11 @@ def run(cfg: TrainConfig) -> dict:
                         format=f"[rank{rt.rank}] %(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     if rt.device.type == "cuda" and cfg.memory.expandable_segments:
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # before the first allocation
+    if cfg.memory.auto:  # before anything is built: predict every preset, run the fastest that fits (or refuse)
+        from engine.observe.host_memory import local_ranks
+        from engine.run.auto_memory import apply_auto_memory
+        cfg = apply_auto_memory(cfg, rt.world_size, rt.device, local_ranks(), rt.is_main)
+        plan = validate(cfg, rt.world_size)
     if rt.is_main:
         for message in plan.unread:  # keys the run accepted but will not read (configs/conditional.py)
             logging.getLogger("configs").warning(message)

@@ -34,6 +34,8 @@ UNREAD = {
     "memory.selective_kept": ([], True),
     "memory.offload_max_gib": ([], 2.0),
     "memory.mlp_tile_tokens": ([], 1024),
+    "memory.auto_gpu_gib": ([], 80.0),
+    "memory.auto_host_gib": ([], 500.0),
     "deepspeed.stage3_param_persistence_threshold": (["deepspeed=zero2"], 10),
     "deepspeed.stage3_prefetch_bucket_size": (["deepspeed=zero2"], 10),
     "moe.dispatcher": ([], "alltoall"),

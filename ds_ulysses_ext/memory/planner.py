@@ -1,0 +1,349 @@
+"""The memory planner: each memory policy's peak GPU memory and step time for one run, before anything is built.
+
+A small cost model, linear in its coefficients, which are calibrated on measured one-H200 steps
+(planner_calibration.json: the rows, their source files, and the fitted coefficients; refit with
+`python scripts/fit_planner.py`). Everything else scales from the model's shape (hidden, layers, heads, head dim,
+vocab, intermediate, experts) and the layout (local tokens = micro-batch x seq_len / cp; ZeRO shards the states
+over the world). docs/memory.md has the model's errors against the rows.
+
+Peak GPU memory (bytes) =
+    states:      parameters x bytes per parameter (bf16 weights 2, master weights, gradients and Adam moments in
+                 fp32: 4 + 4 + 8, or in bf16 under deepspeed.master_weights=bf16: 2 + 2 + 4), sharded over the
+                 world under ZeRO (ZeRO-2 keeps the bf16 weights whole), times the calibrated `state_scale`
+  + kept:        local tokens x sum over layers of the bytes per token the policy keeps on the GPU until backward,
+                 times `act_scale` (counts below)
+  + transient:   the larger of (a) one recomputed layer's activations while its backward runs (`transient_scale`
+                 x its bytes per token x local tokens; a tiled MLP contributes one tile) and (b) the loss's chunk
+                 (`loss_scale` x loss_chunk_size x vocab x 4 bytes)
+  + `const_gib`.
+Bytes per token per layer, bf16, from the HF modules' saved tensors: RMSNorm 6H eager (fp32 input + bf16 output)
+or 2H fused; q/k/v projections 2(q+2kv), RoPE'd q/k 2(q+kv), attention output and o_proj input 4q (q = heads x
+head_dim, kv = kv_heads x head_dim); SwiGLU MLP 8I eager or 6I fused; an MoE block top_k x (8 I_expert + 4H) + 6E.
+`except_attention` keeps the layer input 2H and the kernel's q, k, v, out 2(2q+2kv) (+2H at cp > 1); full
+recompute keeps 2H (on the host under offload); selective drops the norms' and SwiGLU's element-wise tensors;
+a tiled MLP keeps no [tokens, intermediate] tensor; attention_offload moves except_attention's attention tensors to
+the host but for about two layers' (its copies are assumed hidden: not measured yet).
+
+Step time (s) = dense FLOPs / dense rate + expert FLOPs / expert rate + attention FLOPs / attention rate (per
+backend) + elementwise passes x local tokens x layers x hidden x a per-kernel-mode cost + optimizer cost x
+parameters per GPU + a constant. FLOPs are 6 x active parameters x tokens plus causal attention
+(engine/observe/flops.py), plus what the policy recomputes: one more forward of every recomputed layer (attention
+included only where it re-runs), one more MLP forward under tiling, one more expert forward under
+moe.recompute=experts. Offload copies are assumed hidden behind compute. cp > 1 divides tokens and attention
+per GPU and adds no communication term: the calibration rows are one GPU's.
+
+Pure Python: no torch import, so scripts/plan.py plans an 8-GPU run on a laptop.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+GIB = 2 ** 30
+QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")
+CALIBRATION_FILE = Path(__file__).with_name("planner_calibration.json")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the cost model reads of a model: HF config keys (model.arch or a config.json)."""
+
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool = False
+    experts: int = 0  # routed experts per MoE layer (0: dense)
+    top_k: int = 0
+    expert_intermediate: int = 0
+    shared_intermediate: int = 0  # shared experts' total intermediate size
+    moe_layers: int = 0
+    qk_norm: bool = False  # RMSNorm over each query and key head (Qwen3, GLM-4-MoE with use_qk_norm)
+
+    @classmethod
+    def from_arch(cls, arch: Mapping[str, Any], family: str = "") -> "ModelShape":
+        a = dict(arch)
+        layers = int(a["num_hidden_layers"])
+        hidden = int(a["hidden_size"])
+        heads = int(a["num_attention_heads"])
+        head_dim = int(a.get("head_dim") or hidden // heads)
+        if a.get("qk_nope_head_dim") is not None:  # MLA: q/k carry nope + rope dims
+            head_dim = int(a["qk_nope_head_dim"]) + int(a.get("qk_rope_head_dim") or 0)
+        experts = int(a.get("num_experts") or a.get("n_routed_experts") or a.get("num_local_experts") or 0)
+        top_k = int(a.get("num_experts_per_tok") or 0) if experts else 0
+        inter = int(a.get("intermediate_size") or 4 * hidden)
+        expert_inter = int(a.get("moe_intermediate_size") or inter) if experts else 0
+        shared = int(a.get("shared_expert_intermediate_size") or 0)
+        if a.get("n_shared_experts"):
+            shared = int(a["n_shared_experts"]) * expert_inter
+        moe_layers = 0
+        if experts:
+            dense = set(a.get("mlp_only_layers") or [])
+            dense |= set(range(int(a.get("first_k_dense_replace") or 0)))
+            step = int(a.get("decoder_sparse_step") or 1)
+            moe_layers = sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0)
+        return cls(layers=layers, hidden=hidden, intermediate=inter, heads=heads,
+                   kv_heads=int(a.get("num_key_value_heads") or heads), head_dim=head_dim,
+                   vocab=int(a["vocab_size"]), tied=bool(a.get("tie_word_embeddings", False)),
+                   experts=experts, top_k=top_k, expert_intermediate=expert_inter, shared_intermediate=shared,
+                   moe_layers=moe_layers,
+                   qk_norm=bool(a.get("use_qk_norm", family in QK_NORM_FAMILIES)))
+
+    # --- parameter counts
+    @property
+    def q(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def dense_layers(self) -> int:
+        return self.layers - self.moe_layers
+
+    def attention_params(self) -> int:
+        return 2 * self.hidden * self.q + 2 * self.hidden * self.kv
+
+    def expert_params(self, active: bool) -> int:
+        """Routed experts of one MoE layer (top_k of them when active)."""
+        return (self.top_k if active else self.experts) * 3 * self.hidden * self.expert_intermediate
+
+    def moe_other_params(self) -> int:
+        return self.hidden * self.experts + 3 * self.hidden * self.shared_intermediate
+
+    def params(self, active: bool = False) -> int:
+        embed = self.vocab * self.hidden * (1 if self.tied else 2)
+        dense_mlp = 3 * self.hidden * self.intermediate
+        moe = self.expert_params(active) + self.moe_other_params()
+        return (embed + self.layers * self.attention_params() + self.dense_layers * dense_mlp
+                + self.moe_layers * moe)
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """The layout and settings that change memory or time (not the policy)."""
+
+    seq_len: int
+    cp: int = 1
+    world: int = 1
+    micro_batch: int = 1
+    zero_stage: int = 3
+    master_weights: str = "fp32"  # deepspeed.master_weights
+    attn_backend: str = "sdpa"  # sdpa | fa4 | flash_attn (auto resolved by the caller)
+    kernels: str = "none"  # none (HF eager) | fused (Liger or compile)
+    moe_recompute: str = "none"  # moe.recompute: none | act | experts
+    moe_group: int = 1  # moe.recompute_group_size
+    loss_chunk: int = 4096
+    ranks_per_node: int = 1
+
+    @property
+    def local_tokens(self) -> int:
+        return self.micro_batch * -(-self.seq_len // self.cp)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The MemoryConfig fields the model reads (a preset's YAML)."""
+
+    recompute: str = "none"
+    recompute_num_layers: int = 0
+    selective_kept: bool = False
+    offload_activations: bool = False
+    offload_max_gib: float = 0.0
+    attention_offload: bool = False  # except_attention's kept attention tensors in pinned host memory
+    tiled_mlp: bool = False
+    mlp_tile_tokens: int = 8192
+
+    @classmethod
+    def of(cls, memory_cfg: Any) -> "Policy":
+        get = memory_cfg.get if isinstance(memory_cfg, Mapping) else lambda k, d: getattr(memory_cfg, k, d)
+        return cls(**{f: get(f, getattr(cls, f)) for f in cls.__dataclass_fields__})
+
+
+@dataclass(frozen=True)
+class Prediction:
+    peak_gib: float  # peak allocated GPU memory per GPU
+    step_s: float
+    host_gib: float  # pinned host memory per rank (offload)
+    tokens_per_s_per_gpu: float
+    parts: dict = field(default_factory=dict, compare=False)  # GiB per memory term and s per time term
+
+
+# --- bytes per token of one layer, bf16
+
+
+def _norm_bytes(s: ModelShape, run: RunShape) -> float:
+    return (2 if run.kernels == "fused" else 6) * s.hidden
+
+
+def _attention_bytes(s: ModelShape, run: RunShape) -> float:
+    qk_norms = (2 if run.kernels == "fused" else 6) * (s.q + s.kv) if s.qk_norm else 0
+    return 2 * (s.q + 2 * s.kv) + 2 * (s.q + s.kv) + 4 * s.q + qk_norms
+
+
+def _mlp_bytes(s: ModelShape, run: RunShape, moe: bool, policy: Policy, transient: bool = False) -> float:
+    """The MLP's saved bytes per token; tiled dense MLPs keep none (one tile is counted apart)."""
+    if moe:
+        experts = s.top_k * (8 * s.expert_intermediate + 4 * s.hidden)
+        if run.moe_recompute == "experts":  # only the dispatched inputs wait; a group's FFN exists in backward
+            kept = s.top_k * 4 * s.hidden  # dispatched inputs, and the outputs the combine weights multiply
+            experts = kept + (experts - kept) * min(1.0, run.moe_group / max(s.experts, 1)) if transient else kept
+        elif run.moe_recompute == "act":
+            experts -= s.top_k * 4 * s.expert_intermediate
+        return experts + 6 * s.experts + 8 * s.shared_intermediate
+    if policy.tiled_mlp:
+        return 0.0
+    return (6 if run.kernels == "fused" else 8) * s.intermediate
+
+
+def _selective_saving(s: ModelShape, run: RunShape, moe: bool, tiled: bool) -> float:
+    """What selective recompute drops per token and layer: the norms' internals, SwiGLU's product inputs."""
+    norms = 2 * (_norm_bytes(s, run) - 2 * s.hidden)
+    swiglu = 0 if moe or tiled else (2 if run.kernels == "fused" else 4) * s.intermediate
+    return norms + swiglu
+
+
+def _layer_bytes(s: ModelShape, run: RunShape, moe: bool, policy: Policy, selective: bool,
+                 transient: bool = False) -> float:
+    b = 2 * _norm_bytes(s, run) + _attention_bytes(s, run) + _mlp_bytes(s, run, moe, policy, transient)
+    return b - (_selective_saving(s, run, moe, policy.tiled_mlp) if selective else 0.0)
+
+
+def _whole_recomputed(s: ModelShape, policy: Policy) -> list[bool]:
+    """Per layer: recomputed whole, attention included (uniform spread for block / except_attention's N)."""
+    if policy.recompute == "full":
+        return [True] * s.layers
+    if policy.recompute in ("block", "except_attention") and policy.recompute_num_layers > 0:
+        n = min(policy.recompute_num_layers, s.layers)
+        picked = {math.floor(i * s.layers / n) for i in range(n)}
+        return [i in picked for i in range(s.layers)]
+    return [False] * s.layers
+
+
+def _is_moe_layer(s: ModelShape) -> list[bool]:
+    return [i >= s.dense_layers for i in range(s.layers)]  # which ones does not matter to the sums
+
+
+def _state_bytes(s: ModelShape, run: RunShape) -> float:
+    p = s.params()
+    states = (2 + 2 + 4) if run.master_weights == "bf16" else (4 + 4 + 8)  # master, gradients, Adam moments
+    if run.zero_stage == 3 and run.world > 1:
+        return p * (2 + states) / run.world
+    return p * 2 + p * states / run.world
+
+
+def memory_features(shape: ModelShape, run: RunShape, policy: Policy) -> dict:
+    """GiB per memory term before its coefficient, and the host GiB per rank (offload)."""
+    s, T = shape, run.local_tokens
+    whole = _whole_recomputed(s, policy)
+    moe_layer = _is_moe_layer(s)
+    selective_everywhere = policy.recompute == "selective" or policy.selective_kept
+    kept = host = transient = attention_on_gpu = 0.0
+    for i in range(s.layers):
+        if whole[i] or policy.recompute == "except_attention":
+            attention_kept = 0.0 if whole[i] else 2 * (2 * s.q + 2 * s.kv) + (2 * s.hidden if run.cp > 1 else 0)
+            if policy.attention_offload and attention_kept:  # on the host; about two layers' stay on the GPU
+                host += attention_kept
+                attention_on_gpu = max(attention_on_gpu, attention_kept)
+                attention_kept = 0.0
+            if policy.offload_activations:  # the layer input travels; attention's tensors bypass offload
+                host += 2 * s.hidden
+                kept += attention_kept
+            else:
+                kept += 2 * s.hidden + attention_kept
+            transient = max(transient, _layer_bytes(s, run, moe_layer[i], policy, selective_everywhere, True))
+        else:
+            layer = _layer_bytes(s, run, moe_layer[i], policy, selective_everywhere)
+            if policy.offload_activations:  # without recompute, every saved tensor goes to the host
+                host += layer
+            else:
+                kept += layer
+    kept += 2 * attention_on_gpu  # attention_offload: the layer being copied out and the one coming back
+    host_gib = host * T / GIB
+    kept_gib = kept * T / GIB
+    if policy.offload_activations and policy.offload_max_gib > 0 and host_gib > policy.offload_max_gib:
+        kept_gib += host_gib - policy.offload_max_gib  # past the cap, the rest stays on the GPU
+        host_gib = policy.offload_max_gib
+    tile = 0.0
+    if policy.tiled_mlp and s.dense_layers:
+        tile = min(policy.mlp_tile_tokens, T) * (6 if run.kernels == "fused" else 8) * s.intermediate
+    return {"states": _state_bytes(s, run) / GIB, "kept": kept_gib, "transient": (transient * T + tile) / GIB,
+            "host": host_gib}
+
+
+def predict(shape: ModelShape, run: RunShape, policy: Policy, coef: Mapping[str, float]) -> Prediction:
+    m = memory_features(shape, run, policy)
+    parts = {
+        "states": coef["state_scale"] * m["states"],
+        "kept": coef["act_scale"] * m["kept"],
+        "transient": coef["transient_scale"] * m["transient"],
+        "const": coef["const_gib"],
+    }
+    peak = sum(parts.values())
+    times = step_time_terms(shape, run, policy, coef)
+    step = sum(times.values())
+    parts.update({f"t_{k}": v for k, v in times.items()})
+    return Prediction(peak_gib=peak, step_s=step, host_gib=m["host"],
+                      tokens_per_s_per_gpu=run.local_tokens / step if step > 0 else 0.0, parts=parts)
+
+
+def step_time_terms(s: ModelShape, run: RunShape, policy: Policy, coef: Mapping[str, float]) -> dict:
+    """Seconds per term; each term is a feature (time_features) times its coefficient."""
+    f = time_features(s, run, policy)
+    return {k: f[k] * coef[f"time_{k}"] for k in f}
+
+
+TIME_TERMS = ("dense", "experts", "attn_sdpa", "attn_fa4", "elem_eager", "elem_fused", "optimizer_fp32",
+              "optimizer_bf16")
+
+
+def time_features(s: ModelShape, run: RunShape, policy: Policy) -> dict:
+    """The quantities each time coefficient multiplies (FLOPs in units of 1e12, elements in 1e9)."""
+    T, S = run.local_tokens, run.seq_len
+    whole = _whole_recomputed(s, policy)
+    n_whole = sum(whole)
+    n_moe_whole = sum(w for w, m in zip(whole, _is_moe_layer(s)) if m)
+    layer_dense = s.attention_params() + 3 * s.hidden * s.intermediate
+    moe_dense = s.attention_params() + s.moe_other_params()
+    # forward + backward of everything; recompute adds forwards
+    lookup = 0 if s.tied else s.vocab * s.hidden  # the input embedding is a lookup, no matmul
+    dense = 6 * T * (s.params(active=True) - lookup - s.moe_layers * s.expert_params(active=True))
+    experts = 6 * T * s.moe_layers * s.expert_params(active=True)
+    forwards_again = n_whole
+    if policy.recompute == "except_attention":
+        forwards_again = s.layers  # every layer's projections and MLP run again; attention only in `whole`
+    moe_again = n_moe_whole if policy.recompute != "except_attention" else s.moe_layers
+    dense_again = (forwards_again - moe_again) * layer_dense + moe_again * moe_dense
+    if policy.tiled_mlp:  # each tile's MLP forward once more in its backward
+        dense_again += s.dense_layers * 3 * s.hidden * s.intermediate
+    dense += 2 * T * dense_again
+    experts += 2 * T * moe_again * s.expert_params(active=True)
+    if run.moe_recompute == "experts":
+        experts += 2 * T * s.moe_layers * s.expert_params(active=True)
+    attn_layer = 2.0 * s.q * S * S * run.micro_batch / run.cp  # causal forward per layer, this GPU's heads
+    attn = attn_layer * (3 * s.layers + n_whole)
+    passes = 3 * s.layers + forwards_again + (s.layers if policy.recompute == "selective" or policy.selective_kept
+                                              else 0)
+    elem = passes * T * s.hidden
+    fused = run.kernels == "fused"
+    per_gpu_params = s.params() / (run.world if run.zero_stage == 3 else 1)
+    fa4 = run.attn_backend == "fa4"
+    return {
+        "dense": dense / 1e12, "experts": experts / 1e12,
+        "attn_sdpa": 0.0 if fa4 else attn / 1e12, "attn_fa4": attn / 1e12 if fa4 else 0.0,
+        "elem_eager": 0.0 if fused else elem / 1e9, "elem_fused": elem / 1e9 if fused else 0.0,
+        "optimizer_fp32": per_gpu_params / 1e9 if run.master_weights != "bf16" else 0.0,
+        "optimizer_bf16": per_gpu_params / 1e9 if run.master_weights == "bf16" else 0.0,
+    }
+
+
+def load_calibration(path: Optional[Path] = None) -> dict:
+    """{"coefficients": {...}, "rows": [...]} from planner_calibration.json."""
+    return json.loads(Path(path or CALIBRATION_FILE).read_text())

@@ -1,0 +1,240 @@
+"""memory=auto: every memory preset predicted for this run, the fastest one that fits chosen, before the build.
+
+The presets are hydra_conf/memory/*.yaml (all but `budget`, which needs a measured probe, and `auto` itself); the
+cost model is ds_ulysses_ext/memory/planner.py with its calibrated coefficients. A preset fits when its predicted
+peak is at most FIT_FRACTION of the GPU's memory and, with offload, the node's ranks' pinned host memory is at most
+FIT_FRACTION of the host's. The choice is the fastest that fits, where presets within TIE_FRACTION of the fastest
+time count as equally fast and the least memory among them wins. When none fits, the run is refused with the longest
+data.seq_len that would fit.
+scripts/plan.py prints the same table from a laptop (no CUDA, nothing built).
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from omegaconf import OmegaConf
+
+from configs import TrainConfig
+from configs.compose import HYDRA_CONF_DIR
+from configs.errors import ConfigError
+from configs.memory import AUTO_FILLS, MemoryConfig
+from ds_ulysses_ext.memory.planner import ModelShape, Policy, Prediction, RunShape, load_calibration, predict
+
+log = logging.getLogger(__name__)
+
+GIB = 2 ** 30
+# a preset fits when its predicted peak allocation is at most this share of the GPU's memory: the allocator
+# reserves 5-15% over what is allocated (docs/benchmarks.md), and the model's error is up to ~15% (docs/memory.md)
+FIT_FRACTION = 0.85
+# presets predicted within this fraction of the fastest one's step time count as equally fast (the model's time error
+# on the calibration rows is mostly under 5%), and the one with the least memory is chosen
+TIE_FRACTION = 0.03
+NOT_CANDIDATES = ("auto", "budget")  # budget chooses from a measured probe, which a plan does not have
+# predicted and listed, never chosen: no step of theirs has run on a GPU (their copies' overlap is unmeasured)
+NOT_YET_MEASURED = ("except_attention_offload", "except_attention_offload_tiled")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    name: str
+    prediction: Prediction
+    fits_gpu: bool
+    fits_host: bool
+    measured: bool = True  # False: a preset no GPU has run yet, listed but never chosen
+
+    @property
+    def fits(self) -> bool:
+        return self.fits_gpu and self.fits_host and self.measured
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    candidates: tuple
+    choice: Optional[str]
+    gpu_gib: float
+    host_gib: float
+    run: RunShape
+
+    def table(self) -> str:
+        head = (f"{'preset':<32}{'peak GiB':>10}{'host GiB':>10}{'step s':>10}{'tok/s/GPU':>11}  fits "
+                f"(GPU {self.gpu_gib:.0f} GiB x {FIT_FRACTION}, host {self.host_gib:.0f} GiB)")
+        lines = [head]
+        for c in sorted(self.candidates, key=lambda c: c.prediction.step_s):
+            p = c.prediction
+            why = ("yes" if c.fits else "no: GPU" if not c.fits_gpu else "no: host" if not c.fits_host
+                   else "not chosen: not run on a GPU yet")
+            mark = "  <- chosen" if c.name == self.choice else ""
+            lines.append(f"{c.name:<32}{p.peak_gib:>10.1f}{p.host_gib:>10.1f}{p.step_s:>10.3g}"
+                         f"{p.tokens_per_s_per_gpu:>11,.0f}  {why}{mark}")
+        return "\n".join(lines)
+
+
+def preset_fields() -> dict:
+    """name -> MemoryConfig field values (defaults filled in) for every candidate preset in hydra_conf/memory/."""
+    out = {}
+    for path in sorted((HYDRA_CONF_DIR / "memory").glob("*.yaml")):
+        if path.stem in NOT_CANDIDATES:
+            continue
+        values = OmegaConf.to_container(OmegaConf.load(path)) or {}
+        out[path.stem] = {**dataclasses.asdict(MemoryConfig()), **values}
+    return out
+
+
+def model_shape(cfg: TrainConfig) -> ModelShape:
+    """model.arch, or a pretrained checkpoint's config.json (read as JSON: no transformers, no torch)."""
+    arch = dict(cfg.model.arch)
+    if cfg.model.source == "pretrained" and cfg.model.path:
+        config_json = Path(cfg.model.path) / "config.json"
+        if config_json.is_file():
+            arch = {**json.loads(config_json.read_text()), **arch}
+    return ModelShape.from_arch(arch, cfg.model.family)
+
+
+def planned_backend(cfg: TrainConfig, on_gpu: bool = True) -> str:
+    """The attention kernel a GPU run gets: auto is FA4 where flash_attn.cute is installed (not imported here)."""
+    name = cfg.model.attn_backend
+    if name == "auto":
+        name = "fa4" if on_gpu and _installed("flash_attn.cute") else "sdpa"
+    return "fa4" if name == "fa4" else "sdpa"  # flash_attn (FA2) is costed as SDPA/cuDNN
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def run_shape(cfg: TrainConfig, world_size: int, ranks_per_node: int, on_gpu: bool = True,
+              seq_len: Optional[int] = None) -> RunShape:
+    zero = cfg.deepspeed.zero_stage if (world_size > 1 or cfg.deepspeed.offload_param) else 2
+    return RunShape(seq_len=seq_len or cfg.data.seq_len, cp=cfg.parallelism.cp, world=world_size,
+                    micro_batch=cfg.trainer.micro_batch_size, zero_stage=zero,
+                    master_weights=cfg.deepspeed.master_weights if cfg.precision == "bf16" else "fp32",
+                    attn_backend=planned_backend(cfg, on_gpu),
+                    kernels="fused" if on_gpu and cfg.model.kernels != "none" else "none",
+                    moe_recompute=cfg.moe.recompute, moe_group=cfg.moe.recompute_group_size,
+                    loss_chunk=cfg.trainer.loss_chunk_size, ranks_per_node=ranks_per_node)
+
+
+def _candidate(name: str, fields: dict, shape: ModelShape, run: RunShape, coef: dict, gpu_gib: float,
+               host_gib: float) -> Candidate:
+    p = predict(shape, run, Policy.of(fields), coef)
+    return Candidate(name, p, fits_gpu=p.peak_gib <= FIT_FRACTION * gpu_gib,
+                     fits_host=p.host_gib * run.ranks_per_node <= FIT_FRACTION * host_gib,
+                     measured=name not in NOT_YET_MEASURED)
+
+
+def _choose(fitting: list) -> Optional[str]:
+    """The fastest; presets within TIE_FRACTION of its time count as equally fast, and the least memory wins."""
+    if not fitting:
+        return None
+    fastest = min(c.prediction.step_s for c in fitting)
+    tied = [c for c in fitting if c.prediction.step_s <= (1 + TIE_FRACTION) * fastest]
+    return min(tied, key=lambda c: (c.prediction.peak_gib, c.prediction.step_s)).name
+
+
+def plan_memory(cfg: TrainConfig, world_size: int, gpu_gib: float, host_gib: float, ranks_per_node: int = 1,
+                on_gpu: bool = True) -> MemoryPlan:
+    """Every candidate preset predicted for this run; the choice is the fastest that fits (None: none fits)."""
+    shape, run = model_shape(cfg), run_shape(cfg, world_size, ranks_per_node, on_gpu)
+    coef = load_calibration()["coefficients"]
+    cands = tuple(_candidate(n, f, shape, run, coef, gpu_gib, host_gib) for n, f in preset_fields().items())
+    choice = _choose([c for c in cands if c.fits])
+    return MemoryPlan(cands, choice, gpu_gib, host_gib, run)
+
+
+def longest_fitting(cfg: TrainConfig, world_size: int, gpu_gib: float, host_gib: float, ranks_per_node: int = 1,
+                    on_gpu: bool = True) -> tuple[int, Optional[str]]:
+    """The longest data.seq_len (a multiple of 1024 x cp, at most the configured one) that some preset fits, and
+    that preset; (0, None) when not even 1024 x cp tokens fit."""
+    shape, coef = model_shape(cfg), load_calibration()["coefficients"]
+    unit = 1024 * cfg.parallelism.cp
+    best, best_name = 0, None
+    for name, fields in preset_fields().items():
+        def fits(k: int) -> bool:
+            run = run_shape(cfg, world_size, ranks_per_node, on_gpu, seq_len=k * unit)
+            return _candidate(name, fields, shape, run, coef, gpu_gib, host_gib).fits
+        lo, hi = 0, max(cfg.data.seq_len // unit, 1)
+        while lo < hi:  # largest k with fits(k); peaks grow with the length
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+        if lo * unit > best:
+            best, best_name = lo * unit, name
+    return best, best_name
+
+
+def refusal(cfg: TrainConfig, plan: MemoryPlan, world_size: int, on_gpu: bool = True) -> ConfigError:
+    longest, name = longest_fitting(cfg, world_size, plan.gpu_gib, plan.host_gib, plan.run.ranks_per_node, on_gpu)
+    fix = (f"the longest that fits is data.seq_len={longest} (memory={name}); " if longest else
+           "not even 1024 tokens per rank fit; ")
+    return ConfigError(
+        f"memory=auto: no memory preset fits data.seq_len={cfg.data.seq_len} at parallelism.cp={cfg.parallelism.cp}, "
+        f"micro-batch {cfg.trainer.micro_batch_size}, on a {plan.gpu_gib:.0f} GiB GPU (a preset fits at "
+        f"{FIT_FRACTION:.0%} of it) and a {plan.host_gib:.0f} GiB host:\n{plan.table()}\n{fix}or raise "
+        "parallelism.cp over more GPUs, or name a preset (memory=<name>) to run it anyway")
+
+
+def chosen_config(cfg: TrainConfig, name: str) -> TrainConfig:
+    """cfg with the preset's policy fields in place of memory=auto's (and auto off, so the run reads the preset)."""
+    fields = {k: v for k, v in preset_fields()[name].items() if k in AUTO_FILLS}
+    memory = dataclasses.replace(cfg.memory, auto=False, auto_gpu_gib=0.0, auto_host_gib=0.0, **fields)
+    return dataclasses.replace(cfg, memory=memory)
+
+
+def device_gpu_gib(device) -> float:
+    import torch
+    return torch.cuda.get_device_properties(device).total_memory / GIB
+
+
+def host_total_gib() -> float:
+    """Physical memory of this host (the same on every rank of a node, unlike what is available right now)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+
+
+def apply_auto_memory(cfg: TrainConfig, world_size: int, device, ranks_per_node: int,
+                      is_main: bool = True) -> TrainConfig:
+    """Before the model is built: log the prediction table and the choice, return cfg with the chosen preset.
+    Raises ConfigError when none fits. On CPU without memory.auto_gpu_gib there is no GPU to fit: memory=none."""
+    mem = cfg.memory
+    on_gpu = device.type == "cuda"
+    if mem.auto_gpu_gib > 0:
+        gpu_gib = mem.auto_gpu_gib
+    elif on_gpu:
+        gpu_gib = device_gpu_gib(device)
+    else:
+        if is_main:
+            log.info("memory=auto: no GPU on this %s run and no memory.auto_gpu_gib, so no memory to fit: "
+                     "memory=none", device.type)
+        return chosen_config(cfg, "none")
+    host_gib = mem.auto_host_gib or host_total_gib()
+    plan = plan_memory(cfg, world_size, gpu_gib, host_gib, ranks_per_node, on_gpu)
+    if plan.choice is None:
+        raise refusal(cfg, plan, world_size, on_gpu)
+    if is_main:
+        p = next(c.prediction for c in plan.candidates if c.name == plan.choice)
+        log.info("memory=auto: each preset predicted for data.seq_len=%d, cp=%d, %d local tokens "
+                 "(ds_ulysses_ext/memory/planner.py, calibrated on one H200):\n%s", cfg.data.seq_len,
+                 cfg.parallelism.cp, plan.run.local_tokens, plan.table())
+        log.info("memory=auto chose memory=%s: predicted %.1f GiB peak, %.3g s per step", plan.choice, p.peak_gib,
+                 p.step_s)
+    return chosen_config(cfg, plan.choice)
+
+
+def calibration_case(row: dict) -> tuple[ModelShape, RunShape, Policy]:
+    """A measured row of planner_calibration.json as the planner's inputs (presets and models from hydra_conf/)."""
+    model = OmegaConf.to_container(OmegaConf.load(HYDRA_CONF_DIR / "model" / f"{row['model']}.yaml"))
+    fields = {**dataclasses.asdict(MemoryConfig()),
+              **(OmegaConf.to_container(OmegaConf.load(HYDRA_CONF_DIR / "memory" / f"{row['memory']}.yaml")) or {})}
+    world = row.get("world", 1)
+    run = RunShape(seq_len=row["seq_len"], cp=row["cp"], world=world, zero_stage=3 if world > 1 else 2,
+                   master_weights=row["master_weights"], attn_backend=row["attn_backend"], kernels=row["kernels"],
+                   moe_recompute=row["moe_recompute"], moe_group=row.get("moe_group", 1))
+    return ModelShape.from_arch(model["arch"], model["family"]), run, Policy.of(fields)

@@ -1,0 +1,156 @@
+"""memory=auto and scripts/plan.py (CPU): the cost model against the measured rows it was calibrated on, the choice,
+the refusal with the longest length that fits, plan.py as a subprocess, and a run through scripts/train.py."""
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from configs import compose_config, validate
+from configs.errors import ConfigError
+from dist_harness import run_ranks
+from ds_ulysses_ext.memory.planner import load_calibration, predict
+from engine.run.auto_memory import (FIT_FRACTION, TIE_FRACTION, apply_auto_memory, calibration_case, longest_fitting,
+                                    plan_memory, preset_fields)
+
+ROOT = Path(__file__).resolve().parent.parent
+LLAMA_1B = ["model=llama3_2_1b", "data=synthetic", "precision=bf16", "parallelism.cp=1", "device=cuda"]
+# the measured rows the model misses by more than 15% (docs/memory.md says so); any other miss fails
+KNOWN_MISSES = {("llama3_2_1b", 1048576, "long_context", "memory")}
+
+
+def _errors():
+    coef = load_calibration()["coefficients"]
+    for row in load_calibration()["rows"]:
+        p = predict(*calibration_case(row), coef)
+        yield row, p.peak_gib / row["peak_alloc_gib"] - 1, p.step_s / row["step_s"] - 1
+
+
+def test_predictions_within_15_percent_of_the_measured_rows():
+    """Every calibration row (one H200) and check row (two H200s at cp=2, incl. the Llama-3.1-8B shape)."""
+    misses = set()
+    for row, mem_err, time_err in _errors():
+        key = (row["model"], row["seq_len"], row["memory"])
+        if abs(mem_err) > 0.15:
+            misses.add((*key, "memory"))
+        if abs(time_err) > 0.15:
+            misses.add((*key, "time"))
+    assert misses == KNOWN_MISSES
+    assert len(load_calibration()["rows"]) >= 40
+
+
+def _plan(overrides, gpu_gib=140.0, host_gib=1000.0, world=1, on_gpu=True):
+    cfg = compose_config(LLAMA_1B + overrides)
+    validate(cfg, world)
+    return cfg, plan_memory(cfg, world, gpu_gib, host_gib, on_gpu=on_gpu)
+
+
+@pytest.mark.parametrize("seq_len,expected", [(16384, "selective"), (131072, "except_attention"),
+                                              (1048576, "long_context")])
+def test_auto_picks_the_fastest_preset_that_fits(seq_len, expected):
+    cfg, plan = _plan([f"data.seq_len={seq_len}"])
+    assert plan.choice == expected
+    fastest = min(c.prediction.step_s for c in plan.candidates if c.fits)
+    chosen = next(c for c in plan.candidates if c.name == plan.choice)
+    assert chosen.fits and chosen.prediction.step_s <= (1 + TIE_FRACTION) * fastest
+    # every preset predicted faster by more than the tie margin is over the GPU (or the host), and every other
+    # preset within the margin needs more memory
+    for c in plan.candidates:
+        if c.prediction.step_s < chosen.prediction.step_s / (1 + TIE_FRACTION) or (
+                c.prediction.step_s <= (1 + TIE_FRACTION) * fastest and c.name != chosen.name and c.fits):
+            assert not c.fits or c.prediction.peak_gib >= chosen.prediction.peak_gib, c.name
+    assert {c.name for c in plan.candidates} == set(preset_fields()) and "budget" not in preset_fields()
+
+
+def test_offload_presets_must_fit_the_host():
+    _, roomy = _plan(["data.seq_len=1048576"], host_gib=1000.0)
+    _, small = _plan(["data.seq_len=1048576"], host_gib=32.0)
+    assert roomy.choice == "long_context"
+    lc = next(c for c in small.candidates if c.name == "long_context")
+    assert lc.fits_gpu and not lc.fits_host and small.choice != "long_context"
+
+
+def test_refuses_before_the_build_with_the_longest_length_that_fits():
+    cfg = compose_config(LLAMA_1B + ["memory=auto", "data.seq_len=4194304", "memory.auto_gpu_gib=140",
+                                     "memory.auto_host_gib=1000", "model.arch.max_position_embeddings=4194304"])
+    validate(cfg, 1)
+    with pytest.raises(ConfigError) as info:
+        apply_auto_memory(cfg, 1, torch.device("cpu"), 1)  # on CPU: planned with HF's eager modules
+    message = str(info.value)
+    longest, name = longest_fitting(cfg, 1, 140.0, 1000.0, on_gpu=False)
+    assert 1048576 <= longest < 4194304
+    assert f"the longest that fits is data.seq_len={longest} (memory={name})" in message
+    assert "no memory preset fits data.seq_len=4194304" in message
+    # it is the longest: the next 1024 tokens fit no preset
+    pos = "model.arch.max_position_embeddings=4194304"
+    _, at = _plan([f"data.seq_len={longest}", pos], on_gpu=False)
+    _, past = _plan([f"data.seq_len={longest + 1024}", pos], on_gpu=False)
+    assert at.choice == name and past.choice is None
+
+
+def test_auto_refuses_policy_fields_given_by_hand():
+    with pytest.raises(ConfigError, match="memory=auto chooses the policy fields itself, but memory.recompute=full"):
+        validate(compose_config(LLAMA_1B + ["memory=auto", "memory.recompute=full"]), 1)
+    with pytest.raises(ConfigError, match="memory.auto_gpu_gib"):
+        validate(compose_config(LLAMA_1B + ["memory=full_recompute", "memory.auto_gpu_gib=80"]), 1)
+
+
+def test_cpu_without_a_gpu_size_runs_none_and_says_so(caplog):
+    cfg = compose_config(["model=tiny", "data=synthetic", "memory=auto", "parallelism.cp=1", "device=cpu"])
+    with caplog.at_level(logging.INFO, logger="engine.run.auto_memory"):
+        out = apply_auto_memory(cfg, 1, torch.device("cpu"), 1)
+    assert out.memory.recompute == "none" and not out.memory.auto
+    assert "no GPU on this cpu run and no memory.auto_gpu_gib" in caplog.text
+
+
+def test_plan_script_prints_the_table_and_the_choice():
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(ROOT / "scripts" / "plan.py"), "model=llama3_1_8b_shape", "data=synthetic",
+           "precision=bf16", "data.seq_len=1048576", "parallelism.cp=8", "plan.gpus=8", "plan.gpu_gib=141",
+           "plan.host_gib=2000"]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert "131072 tokens per GPU; 8 GPU(s) of 141 GiB" in lines[0]
+    assert lines[1].split()[:4] == ["preset", "peak", "GiB", "host"]
+    rows = {line.split()[0]: line for line in lines[2:] if line.split() and line.split()[0] in preset_fields()}
+    assert set(rows) == set(preset_fields())
+    chosen = [name for name, line in rows.items() if line.endswith("<- chosen")]
+    assert len(chosen) == 1 and lines[-1].startswith(f"memory=auto would choose memory={chosen[0]} ")
+    # too long for 8 GPUs: exit 1 with the longest that fits
+    cmd[6:7] = ["data.seq_len=67108864", "model.arch.max_position_embeddings=67108864"]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert out.returncode == 1 and "the longest that fits is data.seq_len=" in out.stdout
+
+
+def _auto_run(rank, world, overrides, log_file):
+    logger = logging.getLogger("engine.run.auto_memory")
+    logger.addHandler(logging.FileHandler(log_file))
+    logger.setLevel(logging.INFO)  # under pytest the root logger keeps its level (basicConfig is then a no-op)
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import train as entry
+    entry.run(compose_config(overrides))
+
+
+def test_train_with_memory_auto_logs_and_applies_the_choice(tmp_path):
+    """The tiny model through scripts/train.py on CPU, with a GPU size that rules out memory=none."""
+    base = ["model=tiny", "data=synthetic", "data.seq_len=64", "data.num_samples=8", "precision=fp32", "device=cpu",
+            "parallelism.cp=1", "trainer.max_steps=1", "trainer.warmup_steps=0", "trainer.global_batch_size=1", "trainer.save_at_end=false",
+            "trainer.export_hf=false", "logging.progress_bar=false", "memory=auto", "memory.auto_host_gib=64"]
+    cfg = compose_config(base + ["memory.auto_gpu_gib=1000"])
+    peaks = {c.name: c.prediction.peak_gib for c in plan_memory(cfg, 1, 1000.0, 64.0, on_gpu=False).candidates}
+    gpu_gib = (peaks["none"] + max(v for v in peaks.values() if v < peaks["none"])) / 2 / FIT_FRACTION
+    expected = plan_memory(cfg, 1, gpu_gib, 64.0, on_gpu=False).choice
+    assert expected not in (None, "none")
+    out, log_file = tmp_path / "run", tmp_path / "auto.log"
+    run_ranks(_auto_run, 1, base + [f"memory.auto_gpu_gib={gpu_gib}", f"run.out_dir={out}"], str(log_file))
+    text = log_file.read_text()
+    assert "memory=auto: each preset predicted for data.seq_len=64" in text
+    assert f"memory=auto chose memory={expected}:" in text
+    memory = json.loads((out / "config.json").read_text())["config"]["memory"]  # what the run read
+    assert not memory["auto"] and all(memory[k] == v for k, v in preset_fields()[expected].items())
+    assert json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["step"] == 1
