@@ -12,6 +12,9 @@ from ds_ulysses_ext.kernels import apply_fused_kernels
 from ds_ulysses_ext.kernels import providers
 from ds_ulysses_ext.kernels.providers import Checked, Provider
 
+_MOE = dict(moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1, n_group=1,
+            topk_group=1)
+_MLA = dict(_MOE, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8, head_dim=4)
 FAMILIES = {  # family: (extra HF config, RMSNorms bound, SwiGLU MLPs bound) for 2 layers
     "llama": ({}, 5, 2),
     "mistral": ({}, 5, 2),
@@ -19,14 +22,18 @@ FAMILIES = {  # family: (extra HF config, RMSNorms bound, SwiGLU MLPs bound) for
     "qwen3": ({}, 9, 2),  # q/k norms too
     "qwen3_moe": (dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16), 9, 0),  # experts: ours
     "gpt_oss": (dict(num_local_experts=4, num_experts_per_tok=2), 5, 0),
+    # MLA: q/kv latent norms too; the first layer dense, the second's shared experts a SwiGLU MLP
+    "deepseek_v3": (dict(_MLA, num_key_value_heads=4), 9, 2),
+    "glm4_moe_lite": (dict(_MLA, num_key_value_heads=4), 9, 2),
+    "glm4_moe": (dict(_MOE, use_qk_norm=True), 9, 2),  # q/k norms
 }
 
 
 def _model(family, **extra):
     from transformers import AutoConfig, AutoModelForCausalLM
-    cfg = AutoConfig.for_model(family, vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-5,
-                               attn_implementation="eager", **{**FAMILIES[family][0], **extra})
+    shape = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-5)
+    cfg = AutoConfig.for_model(family, attn_implementation="eager", **{**shape, **FAMILIES[family][0], **extra})
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
     with torch.no_grad():  # norms away from 1, so a dropped weight shows
