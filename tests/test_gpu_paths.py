@@ -342,3 +342,43 @@ def test_moe_block_at_ep1_never_syncs_the_host():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert _rel(out, out_ref) < TOL, _rel(out, out_ref)
+
+
+@pytest.mark.parametrize("feature", ["none", "documents", "window"])
+def test_mla_head_dims_through_the_gpu_kernels(feature, monkeypatch):
+    """MLA's q/k head dim (nope + rope, 192) wider than v's (128): the plain SDPA call takes both, the varlen
+    flash road (documents, a window) gets v zero-padded (backends.local_attention); bf16 forward and backward
+    against masks.py's exact torch path in fp64."""
+    from ds_ulysses_ext.attention import backends, flash_varlen, masks
+    lengths = [1500, 37, 600, 959]
+    S, h, Dqk, Dv = sum(lengths), 8, 192, 128
+    g = torch.Generator(device="cuda").manual_seed(9)
+    q, k = (torch.randn(1, S, h, Dqk, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    v, dout = (torch.randn(1, S, h, Dv, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    kw = {}
+    if feature == "documents":
+        kw["cu_seqlens"] = masks.cu_seqlens_of(torch.cat([torch.arange(n) for n in lengths])[None].cuda())
+    if feature == "window":
+        kw["window"] = 128
+    calls = []
+    real = flash_varlen.varlen_attention
+    monkeypatch.setattr(flash_varlen, "varlen_attention", lambda *a, **k_: calls.append(1) or real(*a, **k_))
+    grads = []
+    for dtype in (torch.bfloat16, torch.float64):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        if dtype == torch.bfloat16:
+            out = backends.local_attention("sdpa", *leaves, causal=True, **kw)
+        else:  # the dense definition: causal, within a document, within the window
+            i = torch.arange(S, device="cuda")
+            doc = torch.repeat_interleave(torch.arange(len(lengths), device="cuda"), torch.tensor(lengths).cuda())
+            allowed = (i[None, :] <= i[:, None]) & ((doc[:, None] == doc[None, :]) if "cu_seqlens" in kw else True)
+            if "window" in kw:
+                allowed &= i[:, None] - i[None, :] < kw["window"]
+            out = torch.nn.functional.scaled_dot_product_attention(
+                *(t.transpose(1, 2) for t in leaves), attn_mask=allowed, scale=Dqk ** -0.5).transpose(1, 2)
+        assert out.shape[-1] == Dv
+        out.backward(dout.to(dtype))
+        grads.append([out.detach()] + [t.grad for t in leaves])
+    assert calls == ([] if feature == "none" else [1])
+    for name, got, want in zip(("out", "dq", "dk", "dv"), *grads):
+        assert _rel(got, want) < TOL, (feature, name, _rel(got, want))
