@@ -63,6 +63,8 @@ CONDITIONAL: dict[str, Rule] = {
     "memory.selective_kept": Rule(lambda c: c.memory.recompute in ("block", "budget"), "memory.recompute=block or budget"),
     "memory.offload_max_gib": Rule(lambda c: c.memory.offload_activations, "memory.offload_activations=true"),
     "memory.mlp_tile_tokens": Rule(lambda c: c.memory.tiled_mlp, "memory.tiled_mlp=true"),
+    "memory.attention_offload": Rule(lambda c: c.memory.recompute == "except_attention",
+                                     "memory.recompute=except_attention"),
     "memory.auto_gpu_gib": Rule(lambda c: c.memory.auto, "memory=auto (memory.auto=true)"),
     "memory.auto_host_gib": Rule(lambda c: c.memory.auto, "memory=auto (memory.auto=true)"),
     "deepspeed.stage3_param_persistence_threshold": Rule(lambda c: c.deepspeed.zero_stage == 3,

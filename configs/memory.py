@@ -33,6 +33,9 @@ class MemoryConfig:
     # offload_activations: host GiB per rank that one forward may fill; past it, the remaining (deepest) saved
     # tensors stay on the GPU. 0 = no cap. For ranks whose host memory cannot hold every layer input.
     offload_max_gib: float = 0.0
+    # recompute=except_attention: the attention tensors it keeps (q, k, v, out, logsumexp, the recorded output) go
+    # to pinned host memory after each layer's attention and come back one layer ahead in backward
+    attention_offload: bool = False
     tiled_mlp: bool = False  # run the MLP over sequence tiles so its intermediate never exists whole
     mlp_tile_tokens: int = 8192  # tiled_mlp: tokens per tile
     expandable_segments: bool = True  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; less fragmentation
@@ -103,6 +106,12 @@ def check_memory(mem: MemoryConfig, arch: Mapping[str, Any]) -> None:
         (mem.probe_none_gib > 0) == (mem.probe_full_gib > 0) and mem.probe_none_gib >= mem.probe_full_gib,
         f"memory.probe_none_gib={mem.probe_none_gib} and memory.probe_full_gib={mem.probe_full_gib}: give both "
         "(peak_mem_gib of a memory=none and a memory=full_recompute step), none >= full, or neither",
+    )
+    require(
+        not mem.attention_offload or mem.recompute == "except_attention",
+        f"memory.attention_offload=true moves the attention tensors that memory.recompute=except_attention keeps; "
+        f"got memory.recompute={mem.recompute!r}: use memory=except_attention_offload, or "
+        "memory.offload_activations=true to offload layer inputs",
     )
     require(
         not mem.tiled_mlp or mem.mlp_tile_tokens >= 1,

@@ -36,6 +36,7 @@ UNREAD = {
     "memory.mlp_tile_tokens": ([], 1024),
     "memory.auto_gpu_gib": ([], 80.0),
     "memory.auto_host_gib": ([], 500.0),
+    "memory.attention_offload": ([], True),
     "deepspeed.stage3_param_persistence_threshold": (["deepspeed=zero2"], 10),
     "deepspeed.stage3_prefetch_bucket_size": (["deepspeed=zero2"], 10),
     "moe.dispatcher": ([], "alltoall"),

@@ -110,7 +110,7 @@ def _record_outputs(pack):
     import ds_ulysses_ext.memory.except_attention as except_attention
     for obj in gc.get_objects():
         if isinstance(obj, except_attention._AttentionRecord):
-            for out, _ in obj.outputs:
+            for out, _, _ in obj.outputs:
                 pack(out)
 
 
@@ -135,3 +135,141 @@ def test_except_attention_memory_per_token_per_layer(world, values):
     # per local token per layer, fp32: the layer input 32, q 64, k 16, v 16, out 64, logsumexp 8; at cp > 1 the
     # recorded output in sequence layout is a tensor of its own, +64 (docs/memory.md); at cp = 1 it is a view
     run_ranks(_kept_bytes_cp, world, values)
+
+
+# ---------------------------------------------------------------- memory.attention_offload: the kept tensors on the host
+def _offload_cases():
+    from ds_ulysses_ext.memory import OffloadActivations, TiledMLP
+    return {  # name -> (policies, layers whose attention is kept and so offloaded)
+        "alone": (lambda: [ExceptAttentionRecompute(offload=True)], LAYERS),
+        # one layer recomputed whole, the MLP in tiles, the layer inputs offloaded too
+        "full1_tiled_offload": (lambda: [ExceptAttentionRecompute(1, offload=True), TiledMLP(4),
+                                         OffloadActivations(min_bytes=0)], LAYERS - 1),
+    }
+
+
+def _trace_loads(policy):
+    """A list that gets ("begin" | "prefetch" | "on_demand", the stash's forward position) in backward's order."""
+    from ds_ulysses_ext.memory.attention_offload import AttentionStash
+    offload, trace = policy.offload, []
+    position = lambda stash: [ref() for ref in offload._order].index(stash)
+    real_begin, real_load = AttentionStash.begin_backward, AttentionStash.load
+
+    def begin(stash):
+        if stash.on_host and not stash.begun:
+            trace.append(("begin", position(stash)))
+        real_begin(stash)
+
+    def load(stash, prefetch):
+        trace.append(("prefetch" if prefetch else "on_demand", position(stash)))
+        real_load(stash, prefetch)
+    return trace, begin, load
+
+
+def _check_offload_step(lm, local, make, kept, normaliser, monkeypatch, ref=None):
+    """One step with the policies: (loss, grads); checks the offload's counts and its one-layer-ahead order."""
+    from ds_ulysses_ext.memory import remove_all
+    from ds_ulysses_ext.memory.attention_offload import AttentionStash
+    policies = [p.apply(lm.hf) for p in make()]
+    trace, begin, load = _trace_loads(policies[0])
+    monkeypatch.setattr(AttentionStash, "begin_backward", begin)
+    monkeypatch.setattr(AttentionStash, "load", load)
+    stats = policies[0].offload.stats
+    lm.zero_grad(set_to_none=True)
+    loss_sum, _ = lm(**local)
+    stashes = [ref() for ref in policies[0].offload._order]
+    # after forward: one stash per kept layer, each on the host, no device copy held by the stash
+    assert len(stashes) == kept and stats["offloaded"] == kept and stats["reloaded"] == 0, stats
+    assert all(s.on_host and all(sp.source is None and sp.loaded is None for sp in s.spans) for s in stashes)
+    (loss_sum / normaliser).backward()
+    # backward: each stash came back once and was dropped once every saved tensor was rebuilt; the deepest on
+    # demand, every other one prefetched when the layer above it began its backward
+    assert (stats["reloaded"], stats["released"], stats["loaded_on_demand"], stats["prefetched"]) == (
+        kept, kept, 1, kept - 1), stats
+    expected = [("begin", kept - 1), ("on_demand", kept - 1)]
+    for i in range(kept - 2, -1, -1):
+        expected += [("prefetch", i), ("begin", i)]
+    assert trace == expected, trace
+    grads = {n: p.grad.clone() for n, p in lm.named_parameters()}
+    _check_offloaded_bytes.stats = dict(stats)
+    remove_all(policies)
+    monkeypatch.undo()
+    return (loss_sum / normaliser).detach(), grads
+
+
+@pytest.mark.parametrize("case", ["alone", "full1_tiled_offload"])
+def test_attention_offload_is_exact_and_moves_each_layer_once(case, monkeypatch):
+    topo = init_topology(1)
+    lm = _lm(topo)
+    local = shard_batch(dict(zip(("input_ids", "labels"), _batch())), topo)
+    ref_loss, ref_grads = _run(lm, local)
+    make, kept = _offload_cases()[case]
+    count = local["labels"].ne(-100).sum()
+    loss, grads = _check_offload_step(lm, local, make, kept, count, monkeypatch)
+    assert _rel(loss, ref_loss) < RTOL
+    _assert_close_dicts(grads, ref_grads, (case,))
+    _check_offloaded_bytes(lm, local, kept, 1)
+
+
+def test_attention_offload_two_forwards_before_one_backward():
+    topo = init_topology(1)
+    lm = _lm(topo)
+    first = shard_batch(dict(zip(("input_ids", "labels"), _batch(13))), topo)
+    second = shard_batch(dict(zip(("input_ids", "labels"), _batch(9))), topo)
+
+    def two(lm):
+        lm.zero_grad(set_to_none=True)
+        (lm(**first)[0] - 0.5 * lm(**second)[0]).backward()
+        return {n: p.grad.clone() for n, p in lm.named_parameters()}
+    ref = two(lm)
+    policy = ExceptAttentionRecompute(offload=True).apply(lm.hf)
+    got = two(lm)
+    assert policy.offload.stats["offloaded"] == policy.offload.stats["reloaded"] == 2 * LAYERS
+    policy.remove()
+    _assert_close_dicts(got, ref, ("two forwards",))
+
+
+def _offload_at_cp(rank, world, ring):
+    import torch.distributed as dist
+    from _pytest.monkeypatch import MonkeyPatch
+    from ds_ulysses_ext import shift_labels
+    topo = init_topology(world, ring_size=ring)
+    assert topo.ring_size == ring
+    ids, labels = _batch(seq_len=26)
+    local = shard_batch({"input_ids": ids, "labels": labels}, topo)
+    count = (shift_labels(labels) != -100).sum()  # the global normaliser, known on every rank
+    lm = _lm(topo)
+    ref_loss, ref_grads = _run(lm, local, normaliser=count)
+    real = dist.all_to_all_single
+    calls = [0]
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+    monkeypatch = MonkeyPatch()
+    for name, (make, kept) in _offload_cases().items():
+        dist.all_to_all_single = counting
+        calls[0] = 0
+        try:
+            loss, grads = _check_offload_step(lm, local, make, kept, count, monkeypatch)
+        finally:
+            dist.all_to_all_single = real
+        # the offload adds no exchange: whatever ran before (Ulysses, ring) runs as often as without it
+        per_layer = 6 if ring == 1 else (0 if world == ring else 6)
+        assert calls[0] == per_layer * LAYERS + per_layer // 2 * (LAYERS - kept), (name, calls[0])
+        assert _rel(loss, ref_loss) < RTOL, (name, rank)
+        _assert_close_dicts(grads, ref_grads, (name, rank, world, ring))
+        _check_offloaded_bytes(lm, local, kept, world // ring)
+
+
+def _check_offloaded_bytes(lm, local, kept, ulysses):
+    """What the last step moved is what engine/observe/host_memory.py's start-up estimate counts (fp32 here)."""
+    from engine.observe.host_memory import attention_bytes_per_token
+    stats = _check_offloaded_bytes.stats
+    per_token = attention_bytes_per_token(lm.hf.config, 4, ulysses)
+    assert stats["offloaded_bytes"] == kept * local["input_ids"].numel() * per_token, (stats, per_token)
+
+
+@pytest.mark.parametrize("world, ring", [(2, 1), (4, 1), (2, 2), (4, 2)])
+def test_attention_offload_is_exact_at_cp_and_with_the_ring(world, ring):
+    run_ranks(_offload_at_cp, world, ring)

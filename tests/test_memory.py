@@ -62,6 +62,9 @@ CASES = {
     "except_attention_full2_tiled_offload": (
         lambda: [ExceptAttentionRecompute(2, "uniform"), TiledMLP(TILE), OffloadActivations(min_bytes=0)],
         [LAYER.format(i) for i in range(LAYERS)] + ["hf.model"] + MLPS),
+    # memory.attention_offload: the kept attention tensors on the host too (tests/test_except_attention.py has more)
+    "except_attention_offload_tiled": (lambda: [ExceptAttentionRecompute(offload=True), TiledMLP(TILE)],
+                                       [LAYER.format(i) for i in range(LAYERS)] + MLPS),
 }
 
 
@@ -291,6 +294,7 @@ def test_every_memory_preset_builds_and_applies(preset):
                      + ["OffloadActivations"] * cfg.offload_activations)
     before = _snapshot(lm)
     policies = apply_memory_policies(lm.hf, cfg)
+    assert (getattr(policies[0], "offload", None) is not None) == cfg.attention_offload
     remove_all(policies)
     assert _snapshot(lm) == before
 
@@ -314,6 +318,7 @@ A2A_CASES = {  # name -> (policies, all-to-alls in backward); forward always iss
     "tiled_offload": (lambda: [TiledMLP(TILE), OffloadActivations(min_bytes=0)], 3 * LAYERS),
     "except_attention": (lambda: [ExceptAttentionRecompute()], 3 * LAYERS),  # attention is never re-run
     "except_attention_full2": (lambda: [ExceptAttentionRecompute(2, "block"), TiledMLP(TILE)], 3 * LAYERS + 3 * 2),
+    "except_attention_offload": (lambda: [ExceptAttentionRecompute(offload=True)], 3 * LAYERS),
 }
 
 
@@ -387,6 +392,7 @@ ZERO3_CASES = {  # name -> (policies, sequence lengths); 26 gives 13 local token
     "except_attention": (lambda: [ExceptAttentionRecompute()], (26, 32)),
     "except_attention_full1_tiled_offload": (
         lambda: [ExceptAttentionRecompute(1), TiledMLP(TILE), OffloadActivations(min_bytes=0)], (26,)),
+    "except_attention_offload_tiled": (lambda: [ExceptAttentionRecompute(1, offload=True), TiledMLP(TILE)], (26,)),
 }
 LR = 0.1
 

@@ -4,7 +4,8 @@ Order of application (removal is the reverse, `remove_all`):
 0. with selective_kept (block/budget only): SelectiveRecompute on every layer, so the layers the
    recompute policy keeps still drop their element-wise activations;
 1. the recompute policy (none | full | block | selective | budget | except_attention): wraps decoder
-   layers, or for selective the RMSNorms and the MLP forward;
+   layers, or for selective the RMSNorms and the MLP forward; except_attention with attention_offload
+   also moves the attention tensors it keeps to the host (its own hooks, innermost: offload never sees them);
 2. TiledMLP: wraps each layer's MLP forward, on top of selective's (each tile then nests its
    checkpoint inside a recomputed layer under full/block recompute, which non-reentrant checkpoints
    support);
@@ -54,7 +55,8 @@ def _recompute_policy(memory_cfg, num_layers: int, probe: Optional[ProbeResult])
             whole = choose_recompute_layers(probe, memory_cfg.budget_gib)
             log.info("except_attention: %d of %d layers recomputed whole to fit %.1f GiB (probe %.1f / %.1f GiB)",
                      whole, num_layers, memory_cfg.budget_gib, probe.peak_none_gib, probe.peak_full_gib)
-        return ExceptAttentionRecompute(whole, memory_cfg.recompute_method)
+        return ExceptAttentionRecompute(whole, memory_cfg.recompute_method,
+                                        offload=getattr(memory_cfg, "attention_offload", False))
     raise ValueError(f"unknown memory.recompute={kind!r}; choose none, full, block, selective, budget or "
                      "except_attention")
 

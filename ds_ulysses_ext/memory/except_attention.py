@@ -21,6 +21,10 @@ has to rebuild the tensors the other ops saved, and o_proj's input is the record
 the recompute is exact. The record belongs to one layer call (a closure), so two forwards before one
 backward (DPO-style losses, gradient accumulation with retained graphs) each replay their own output.
 
+With `offload=True` (memory.attention_offload) the kept tensors and the recorded output go to pinned host memory
+right after each core-attention call and come back, one layer ahead, when backward reaches the layer
+(attention_offload.py); the recorded output is then replayed from its reloaded copy.
+
 Layers listed in `full_layers` (recompute_num_layers / recompute_method) are recomputed whole, attention
 included: the memory knob for lengths where keeping every layer's attention tensors does not fit.
 
@@ -37,6 +41,7 @@ from typing import Callable, Optional
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from .attention_offload import AttentionOffload, AttentionStash
 from .policy import MemoryPolicy, decoder_layers
 from .recompute import _warn_if_hf_checkpointing, checkpointed, recompute_layer_indices
 
@@ -52,23 +57,35 @@ def _keep(tensor: torch.Tensor) -> torch.Tensor:
 class _AttentionRecord:
     """The core-attention outputs of one layer call: recorded on the first run, replayed on recomputes."""
 
-    def __init__(self) -> None:
-        self.outputs: list[tuple[torch.Tensor, bool]] = []  # (detached output, it required grad)
+    def __init__(self, offload: Optional[AttentionOffload] = None) -> None:
+        # (detached output or, with offload, its stash handle; its stash or None; it required grad)
+        self.outputs: list[tuple[object, Optional[AttentionStash], bool]] = []
         self.recording = True
         self.position = 0
+        self.offload = offload
 
     def run(self, core: Callable[[], torch.Tensor]) -> torch.Tensor:
         if self.recording:
-            # the innermost hooks win: the kernel's saved tensors bypass the checkpoint and are kept
-            with torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
+            if self.offload is None:
+                # the innermost hooks win: the kernel's saved tensors bypass the checkpoint and are kept
+                with torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
+                    out = core()
+                self.outputs.append((out.detach(), None, out.requires_grad))
+                return out
+            # the same, into a stash that goes to the host as soon as the kernel has returned
+            stash = self.offload.new_stash()
+            with torch.autograd.graph.saved_tensors_hooks(stash.pack, stash.unpack):
                 out = core()
-            self.outputs.append((out.detach(), out.requires_grad))
+            self.outputs.append((stash.pack(out.detach()), stash, out.requires_grad))
+            stash.offload()
             return out
         if self.position >= len(self.outputs):
             raise RuntimeError("except_attention recompute: the recomputed layer called attention more often "
                                "than its forward did; the layer is not deterministic in its control flow")
-        recorded, requires_grad = self.outputs[self.position]
+        recorded, stash, requires_grad = self.outputs[self.position]
         self.position += 1
+        if stash is not None:
+            recorded = stash.unpack(recorded)
         # a fresh leaf with the original's requires_grad, so the recompute saves the same tensors as the
         # forward did (an op saves its other operand only for an input that requires grad)
         return recorded.detach().requires_grad_(requires_grad)
@@ -79,13 +96,17 @@ def core_attention_wrapper(core: Callable[[], torch.Tensor]) -> torch.Tensor:
     return core() if record is None else record.run(core)
 
 
-def _layer_forward(forward: Callable) -> Callable:
+def _layer_forward(forward: Callable, offload: Optional[AttentionOffload] = None) -> Callable:
     def wrapper(*args, **kwargs):
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
-        record = _AttentionRecord()
+        record = _AttentionRecord(offload)
 
         def body(*a, **kw):
+            if not record.recording:  # the recompute: the first thing this layer's backward does
+                for _, stash, _ in record.outputs:
+                    if stash is not None:
+                        stash.begin_backward()  # reload this layer's attention tensors, prefetch the layer below's
             previous = getattr(_active, "record", None)
             _active.record = record
             record.position = 0
@@ -109,11 +130,14 @@ class ExceptAttentionRecompute(MemoryPolicy):
 
     name = "except_attention"
 
-    def __init__(self, full_layers: int = 0, method: str = "uniform") -> None:
+    def __init__(self, full_layers: int = 0, method: str = "uniform", offload: bool = False,
+                 max_inflight_bytes: int = 2 << 30) -> None:
         super().__init__()
         self.full_layers = full_layers
         self.method = method
         self.full_indices: list[int] = []
+        # memory.attention_offload: the kept attention tensors live in pinned host memory (attention_offload.py)
+        self.offload = AttentionOffload(max_inflight_bytes) if offload else None
 
     def _apply(self, model: torch.nn.Module) -> None:
         config = getattr(model, "config", None) or model.hf.config
@@ -129,8 +153,9 @@ class ExceptAttentionRecompute(MemoryPolicy):
             if i in self.full_indices:
                 self._wrap_forward(layer, checkpointed)
             else:
-                self._wrap_forward(layer, _layer_forward)
+                self._wrap_forward(layer, lambda forward: _layer_forward(forward, self.offload))
                 self._set_attr(layer.self_attn, "core_attention_wrapper", core_attention_wrapper)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(full_layers={self.full_layers}, method={self.method!r})"
+        return (f"{type(self).__name__}(full_layers={self.full_layers}, method={self.method!r}, "
+                f"offload={self.offload is not None})")

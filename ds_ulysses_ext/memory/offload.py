@@ -39,6 +39,86 @@ def _is_parameter(t: torch.Tensor) -> bool:
     return False
 
 
+class HostLink:
+    """Copies between one device and pinned host memory on a side stream, with a bound on what is in flight.
+
+    Shared by OffloadActivations (saved tensors of the decoder forward) and except_attention's attention offload
+    (memory/attention_offload.py). On CUDA, `to_host` copies on the side stream after the work that produced the
+    tensor (wait_stream), records an event, and `record_stream` keeps the device block from being reused before
+    the copy has read it; `to_device` allocates on the compute stream (so the block returns to its pool) and
+    copies on the side stream after the host copy is complete. Any other device: real clones, so CPU tests run
+    the same calls.
+    """
+
+    def __init__(self, max_inflight_bytes: int = 2 << 30) -> None:
+        self.max_inflight_bytes = max_inflight_bytes
+        self._stream = None
+        self._inflight: deque = deque()  # (event, bytes) of device-to-host copies not known to be done
+        self._inflight_bytes = 0
+
+    def side_stream(self, device: torch.device):
+        if self._stream is None or self._stream.device != device:
+            self._stream = torch.cuda.Stream(device)
+        return self._stream
+
+    def reserve(self, nbytes: int) -> None:
+        """Bound the device memory waiting on device-to-host copies; call before `to_host` (CUDA only).
+
+        A packed tensor's block is only reusable once its copy has run (record_stream). If compute
+        outruns the host link, the blocks of every "offloaded" tensor pile up as reserved memory.
+        On an H200, offloading every activation of a step without this bound reserved more memory than no
+        offload at all (docs/memory.md has the measurement with the bound). So once
+        more than max_inflight_bytes are queued, the host waits for the oldest copies: offload then
+        runs at the speed of the link, as it must. A reservation larger than the bound waits for every
+        earlier copy, then proceeds.
+        """
+        while self._inflight and (self._inflight[0][0].query()
+                                  or self._inflight_bytes + nbytes > self.max_inflight_bytes):
+            event, done = self._inflight.popleft()
+            event.synchronize()
+            self._inflight_bytes -= done
+        self._inflight_bytes += nbytes
+
+    def to_host(self, t: torch.Tensor):
+        """(host copy, event when it is complete, None off CUDA). On CUDA, `reserve` its bytes first."""
+        if t.device.type != "cuda":
+            return t.detach().clone(), None  # a real copy so the CPU path is the same path
+        nbytes = t.numel() * t.element_size()
+        host = torch.empty_like(t, device="cpu", pin_memory=True)  # keeps t's strides when t is dense
+        if host.stride() != t.stride():
+            # a view with gaps: copy_ would stage it through a device temporary allocated on the side
+            # stream, whose pool compute-stream allocations cannot reuse; stage it here instead
+            t = t.contiguous()
+        stream = self.side_stream(t.device)
+        stream.wait_stream(torch.cuda.current_stream(t.device))  # t is fully written before it is read
+        with torch.cuda.stream(stream):
+            host.copy_(t, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(stream)
+        t.record_stream(stream)  # the allocator must not hand t's block out before the copy has read it
+        self._inflight.append((copied, nbytes))
+        return host, copied
+
+    def to_device(self, host: torch.Tensor, device: torch.device, copied):
+        """(device copy started on the side stream, event when it is complete; None off CUDA).
+
+        Wait on the event (current stream) before reading the copy."""
+        if device.type != "cuda":
+            return host.clone().to(device), None
+        # allocated on the compute stream, so the block comes from (and returns to) its pool; a block
+        # allocated on the side stream could only be reused by side-stream allocations
+        out = torch.empty_like(host, device=device)
+        stream = self.side_stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))  # the block is free to overwrite
+        stream.wait_event(copied)
+        with torch.cuda.stream(stream):
+            out.copy_(host, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(stream)
+        out.record_stream(stream)  # written on the side stream, freed on the compute stream
+        return out, ready
+
+
 class _Packed:
     """A saved tensor's host copy, plus what backward needs to bring it back."""
     __slots__ = ("host", "device", "copied", "prefetched", "ready", "index", "used", "__weakref__")
@@ -65,9 +145,7 @@ class OffloadActivations(MemoryPolicy):
         self.max_host_bytes = max_host_bytes  # per forward; 0 = no cap
         self.prefetch = prefetch
         self.max_inflight_bytes = max_inflight_bytes
-        self._stream = None
-        self._inflight: deque = deque()  # (event, bytes) of device-to-host copies not known to be done
-        self._inflight_bytes = 0
+        self._link = HostLink(max_inflight_bytes)
         self._packed: list[weakref.ref] = []  # this forward's packed tensors, in pack order
         self.stats = {"offloaded": 0, "offloaded_bytes": 0, "kept_params": 0, "kept_small": 0, "kept_over_cap": 0}
         self._host_full = False  # this forward reached max_host_bytes: nothing more is offloaded
@@ -104,52 +182,11 @@ class OffloadActivations(MemoryPolicy):
         self.stats["offloaded"] += 1
         self.stats["offloaded_bytes"] += nbytes
         if t.device.type == "cuda":
-            host, copied = self._copy_to_host(t)
-        else:
-            host, copied = t.detach().clone(), None  # a real copy so the CPU path is the same path
+            self._link.reserve(nbytes)
+        host, copied = self._link.to_host(t)
         packed = _Packed(host, t.device, copied, len(self._packed))
         self._packed.append(weakref.ref(packed))
         return packed
-
-    def _side_stream(self, device: torch.device):
-        if self._stream is None or self._stream.device != device:
-            self._stream = torch.cuda.Stream(device)
-        return self._stream
-
-    def _throttle(self, nbytes: int) -> None:
-        """Bound the device memory waiting on device-to-host copies.
-
-        A packed tensor's block is only reusable once its copy has run (record_stream). If compute
-        outruns the host link, the blocks of every "offloaded" tensor pile up as reserved memory.
-        On an H200, offloading every activation of a step without this bound reserved more memory than no
-        offload at all (docs/memory.md has the measurement with the bound). So once
-        more than max_inflight_bytes are queued, the host waits for the oldest copies: offload then
-        runs at the speed of the link, as it must.
-        """
-        while self._inflight and (self._inflight[0][0].query()
-                                  or self._inflight_bytes + nbytes > self.max_inflight_bytes):
-            event, done = self._inflight.popleft()
-            event.synchronize()
-            self._inflight_bytes -= done
-        self._inflight_bytes += nbytes
-
-    def _copy_to_host(self, t: torch.Tensor):
-        nbytes = t.numel() * t.element_size()
-        self._throttle(nbytes)
-        host = torch.empty_like(t, device="cpu", pin_memory=True)  # keeps t's strides when t is dense
-        if host.stride() != t.stride():
-            # a view with gaps: copy_ would stage it through a device temporary allocated on the side
-            # stream, whose pool compute-stream allocations cannot reuse; stage it here instead
-            t = t.contiguous()
-        stream = self._side_stream(t.device)
-        stream.wait_stream(torch.cuda.current_stream(t.device))  # t is fully written before it is read
-        with torch.cuda.stream(stream):
-            host.copy_(t, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record(stream)
-        t.record_stream(stream)  # the allocator must not hand t's block out before the copy has read it
-        self._inflight.append((copied, nbytes))
-        return host, copied
 
     # -- unpack (backward) -----------------------------------------------------------------------
     def _unpack(self, packed):
@@ -173,18 +210,7 @@ class OffloadActivations(MemoryPolicy):
             packed = self._packed[i]() if i < len(self._packed) else None
             if packed is None or packed.copied is None or packed.used or packed.prefetched is not None:
                 continue  # a host tensor, already used by backward, or already on its way
-            # allocated on the compute stream, so the block comes from (and returns to) its pool; a block
-            # allocated on the side stream could only be reused by side-stream allocations
-            prefetched = torch.empty_like(packed.host, device=packed.device)
-            stream = self._side_stream(packed.device)
-            stream.wait_stream(torch.cuda.current_stream(packed.device))  # the block is free to overwrite
-            stream.wait_event(packed.copied)
-            with torch.cuda.stream(stream):
-                prefetched.copy_(packed.host, non_blocking=True)
-                packed.ready = torch.cuda.Event()
-                packed.ready.record(stream)
-            prefetched.record_stream(stream)  # written on the side stream, freed on the compute stream
-            packed.prefetched = prefetched
+            packed.prefetched, packed.ready = self._link.to_device(packed.host, packed.device, packed.copied)
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(min_bytes={self.min_bytes}, prefetch={self.prefetch}, "
