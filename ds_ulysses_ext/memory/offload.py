@@ -15,6 +15,7 @@ copy has read it. Unpack waits on that event and copies back. Tensors are unpack
 roughly reverse order of packing, so each unpack also starts the host-to-device copy of the next
 `prefetch` earlier-packed tensors on the side stream, to overlap with the backward compute.
 On CPU a tensor is "offloaded" by a real `.clone()`, so the same code path runs in CPU tests.
+The copies go through `HostLink`, which except_attention's attention offload (attention_offload.py) shares.
 
 ZeRO-3: parameters are never moved. A saved tensor that is an `nn.Parameter`, carries DeepSpeed's
 `ds_id`/`ds_numel`, or is a view of such a tensor (a linear's transposed weight) is kept as is; moving
