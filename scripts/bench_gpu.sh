@@ -35,6 +35,12 @@
 #                HF + Liger (moe_model_bench.py --liger) at $MOE_HF_SEQS
 #   moe_train    training steps of the 4-layer Qwen3-30B-A3B shape: ours ($MOE_POINTS, S:memory, bf16 master weights,
 #                $MOE_EXTRA, default moe=expert_recompute) and stock HF (moe_model_bench.py) at $MOE_HF_SEQS
+#   mla_train    training steps of a reduced-depth MLA shape, $MLA_MODEL (default glm4_moe_lite_4l: GLM-4.7-Flash's
+#                first 4 layers; deepseek_v3_2l: DeepSeek-V3's first dense and one MoE layer): ours ($MLA_POINTS, S:memory,
+#                default 32768:full_recompute,131072:long_context; bf16 master weights, moe.dispatcher=alltoall,
+#                $MLA_EXTRA) and stock HF on the same preset (scripts/hf_moe_bench.py: SDPA, grouped_mm experts, HF
+#                gradient checkpointing, fused AdamW on bf16 parameters) at $MLA_HF_SEQS (default 32768,131072: 128k
+#                is expected to run out of memory, reported as status oom); HF's lines also in $OUT/mla_train_hf.jsonl
 #   train_1m_4l  the same 1M-token step with 4 of the 16 layers: GPU memory is set by one layer's working set
 #                plus offloaded inputs (host), so this shows whether 1M fits; time scales ~linearly with layers
 #   attn_features  attention features at 128k, bf16 Hq32/Hkv8 D64, fwd+bwd, against one full causal SDPA (cuDNN) call
@@ -119,6 +125,11 @@ for part in ${*:-attn train_short train_long}; do
     moe_train) python3 scripts/bench_train.py --model qwen3_30b_a3b_4l --points ${MOE_POINTS:-32768:full_recompute,131072:full_recompute} \
                  --steps 3 deepspeed.master_weights=bf16 ${MOE_EXTRA-moe=expert_recompute} moe.dispatcher=alltoall ${EXTRA:-}
                python3 .bench/anchor-bench/moe_model_bench.py --seqs ${MOE_HF_SEQS:-32768,65536} --layers 4 | tee -a "$OUT/moe_train_hf.jsonl" ;;
+    mla_train) python3 scripts/bench_train.py --model ${MLA_MODEL:-glm4_moe_lite_4l} \
+                 --points ${MLA_POINTS:-32768:full_recompute,131072:long_context} --steps 3 deepspeed.master_weights=bf16 \
+                 moe.dispatcher=alltoall ${MLA_EXTRA:-}
+               PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 scripts/hf_moe_bench.py \
+                 --model ${MLA_MODEL:-glm4_moe_lite_4l} --seqs ${MLA_HF_SEQS:-32768,131072} | tee -a "$OUT/mla_train_hf.jsonl" ;;
     train_1m) python3 scripts/bench_train.py --points 1048576:long_context --steps 1 --timeout 580 ;;
     train_1m_4l) python3 scripts/bench_train.py --points 1048576:long_context --steps 1 --timeout 580 \
                    model.arch.num_hidden_layers=4 ;;
