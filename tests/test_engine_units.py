@@ -54,6 +54,10 @@ def test_attention_flops_count_documents_and_windows_not_the_row():
     cfg.layer_types, cfg.sliding_window = ["full_attention", "sliding_attention", "full_attention"], 4
     assert step_flops(0, cfg, 1, 10) == per_sq * (100 + 64 + 100)
     assert step_flops(0, cfg, 1, 3) == per_sq * 3 * 9  # shorter than the window: the window changes nothing
+    # MLA: QK^T over the q/k dim (nope 12 + rope 4), PV over v's (8); HF's head_dim is the rope part there
+    mla = SimpleNamespace(head_dim=4, qk_nope_head_dim=12, qk_rope_head_dim=4, v_head_dim=8, hidden_size=32,
+                          num_attention_heads=4, num_hidden_layers=1, sliding_window=None, layer_types=None)
+    assert step_flops(0, mla, 1, 10) == 100 * 3 * 4 * ((12 + 4) + 8)
 
 
 def test_loss_scale_per_reduction_path():

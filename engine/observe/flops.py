@@ -5,7 +5,8 @@
 N: parameters a token uses (tied embeddings counted once; in an MoE layer, its top_k experts' weights, not all E
 of them, whatever ep holds on this rank), T: tokens processed in the global batch, L: layers,
 Hq: query heads, Dh: head dim, S: each sequence's length (the global, unsplit length). The second term
-is causal attention: forward 2 * Hq * Dh * S^2 per layer (QK^T and PV, each S^2/2 * Dh * 2 per head),
+is causal attention: forward 2 * Hq * Dh * S^2 per layer (QK^T and PV, each S^2/2 * Dh * 2 per head; with MLA's
+q/k dim Dqk and v dim Dv, Dh is their mean: S^2/2 * (Dqk + Dv) * 2),
 backward twice the forward. Recompute is NOT counted (MFU convention), so memory policies that
 recompute lower MFU honestly. Same formula as ../anchor-bench/model_bench.py, so numbers compare.
 
@@ -55,11 +56,20 @@ def attention_sq(lengths, windows) -> float:
 
 def step_flops(num_params: int, hf_config, num_seqs: int, seq_len: int, attn_sq: float = None) -> float:
     """attn_sq: attention_sq over the global batch's documents (packed rows); None: num_seqs rows of seq_len."""
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     dense = 6.0 * num_params * num_seqs * seq_len
     if attn_sq is None:
         attn_sq = attention_sq([seq_len] * num_seqs, layer_windows(hf_config))
-    return dense + 6.0 * hf_config.num_attention_heads * head_dim * attn_sq
+    return dense + 3.0 * hf_config.num_attention_heads * sum(attention_head_dims(hf_config)) * attn_sq
+
+
+def attention_head_dims(hf_config) -> tuple:
+    """(q/k head dim, v head dim). MLA (DeepSeek-V3, GLM-4-MoE-Lite): q/k = nope + rope parts, v its own, and HF's
+    `head_dim` there is only the rope part; elsewhere both are head_dim."""
+    nope, rope = getattr(hf_config, "qk_nope_head_dim", None), getattr(hf_config, "qk_rope_head_dim", None)
+    if nope is not None and rope is not None and getattr(hf_config, "v_head_dim", None) is not None:
+        return nope + rope, hf_config.v_head_dim
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    return head_dim, head_dim
 
 
 def detect_peak_tflops(device) -> float:
