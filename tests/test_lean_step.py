@@ -72,6 +72,11 @@ def _shared_master(rank, world):
     assert opt.single_partition_of_fp32_groups[0].untyped_storage().data_ptr() == \
         opt.bit16_groups_flat[0].untyped_storage().data_ptr()
     assert memory_breakdown(engine, torch.device("cpu"))["master_weights"] == 0  # one copy of the weights
+    flat = opt.bit16_groups_flat[0].untyped_storage().data_ptr()
+    mapped = [p._hp_mapping for p in engine.module.parameters() if p._hp_mapping is not None]  # this rank's
+    assert mapped  # DeepSpeed's per-parameter master views do not keep the clone alive
+    for mapping in mapped:
+        assert mapping.hp_fragment.untyped_storage().data_ptr() == flat
     ours = _steps(engine, rank)
     assert torch.equal(ours, theirs)  # the same update, bit for bit: the clone always equalled the parameters
 
