@@ -59,8 +59,10 @@ def test_except_attention_is_exact_for_other_families(family):
     _assert_close_dicts(grads, ref_grads, (family,))
 
 
-def test_except_attention_two_forwards_before_one_backward():
-    # each layer call replays its own recorded attention (a DPO-style loss over two batches)
+@pytest.mark.parametrize("offload", [False, True], ids=["kept", "attention_offload"])
+def test_except_attention_two_forwards_before_one_backward(offload):
+    # each layer call replays its own recorded attention (a DPO-style loss over two batches); with the offload,
+    # each forward's tensors travel to the host and back once
     topo = init_topology(1)
     lm = _lm(topo)
     first = shard_batch(dict(zip(("input_ids", "labels"), _batch(13))), topo)
@@ -71,8 +73,10 @@ def test_except_attention_two_forwards_before_one_backward():
         (lm(**first)[0] - 0.5 * lm(**second)[0]).backward()
         return {n: p.grad.clone() for n, p in lm.named_parameters()}
     ref = two(lm)
-    policy = ExceptAttentionRecompute().apply(lm.hf)
+    policy = ExceptAttentionRecompute(offload=offload).apply(lm.hf)
     got = two(lm)
+    if offload:
+        assert policy.offload.stats["offloaded"] == policy.offload.stats["reloaded"] == 2 * LAYERS
     policy.remove()
     _assert_close_dicts(got, ref, ("two forwards",))
 
@@ -209,24 +213,6 @@ def test_attention_offload_is_exact_and_moves_each_layer_once(case, monkeypatch)
     assert _rel(loss, ref_loss) < RTOL
     _assert_close_dicts(grads, ref_grads, (case,))
     _check_offloaded_bytes(lm, local, kept, 1)
-
-
-def test_attention_offload_two_forwards_before_one_backward():
-    topo = init_topology(1)
-    lm = _lm(topo)
-    first = shard_batch(dict(zip(("input_ids", "labels"), _batch(13))), topo)
-    second = shard_batch(dict(zip(("input_ids", "labels"), _batch(9))), topo)
-
-    def two(lm):
-        lm.zero_grad(set_to_none=True)
-        (lm(**first)[0] - 0.5 * lm(**second)[0]).backward()
-        return {n: p.grad.clone() for n, p in lm.named_parameters()}
-    ref = two(lm)
-    policy = ExceptAttentionRecompute(offload=True).apply(lm.hf)
-    got = two(lm)
-    assert policy.offload.stats["offloaded"] == policy.offload.stats["reloaded"] == 2 * LAYERS
-    policy.remove()
-    _assert_close_dicts(got, ref, ("two forwards",))
 
 
 def _offload_at_cp(rank, world, ring):

@@ -48,6 +48,14 @@ def test_the_ring_prefers_cudnn_blocks_on_hopper():
     assert blocks_mod._fused_kernel(q) is blocks_mod._CudaCudnn
 
 
+def _count_varlen_calls(flash_varlen, monkeypatch) -> list:
+    """A list that grows by one per call of torch's varlen flash kernel (flash_varlen.varlen_attention)."""
+    calls = []
+    real = flash_varlen.varlen_attention
+    monkeypatch.setattr(flash_varlen, "varlen_attention", lambda *a, **k_: calls.append(1) or real(*a, **k_))
+    return calls
+
+
 def _ring_inputs(S, D, seed):
     """q, k, v, dout in ring.py's [B h S D] layout: 8 query heads over 2 KV heads, bf16."""
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -214,9 +222,7 @@ def test_torch_varlen_flash_takes_documents_windows_and_sinks(feature, monkeypat
         kw["cu_seqlens"] = masks.cu_seqlens_of(torch.cat([torch.arange(n) for n in lengths])[None].cuda())
     if "window" in feature or feature == "sinks":
         kw["window"] = 128
-    calls = []
-    real = flash_varlen.varlen_attention
-    monkeypatch.setattr(flash_varlen, "varlen_attention", lambda *a, **k_: calls.append(1) or real(*a, **k_))
+    calls = _count_varlen_calls(flash_varlen, monkeypatch)
     grads = []
     for dtype in (torch.bfloat16, torch.float64):
         leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v, sinks)]
@@ -363,9 +369,7 @@ def test_mla_head_dims_through_the_gpu_kernels(feature, monkeypatch):
         kw["cu_seqlens"] = masks.cu_seqlens_of(torch.cat([torch.arange(n) for n in lengths])[None].cuda())
     if feature == "window":
         kw["window"] = 128
-    calls = []
-    real = flash_varlen.varlen_attention
-    monkeypatch.setattr(flash_varlen, "varlen_attention", lambda *a, **k_: calls.append(1) or real(*a, **k_))
+    calls = _count_varlen_calls(flash_varlen, monkeypatch)
     grads = []
     for dtype in (torch.bfloat16, torch.float64):
         leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
