@@ -66,6 +66,7 @@ def check_model(model: ModelConfig) -> None:
         if key in model.arch:
             check_latent_size(key, model.arch[key])
     check_family_keys(model)
+    check_routing_groups(model.arch)
     check_attention_keys(model.arch)
 
 
@@ -80,6 +81,19 @@ def check_family_keys(model: ModelConfig) -> None:
         f"model.arch.{key}={model.arch[key]} with model.family={model.family}: HF's {model.family} model never reads "
         f"it (read by: {readers(key)}): the model its export loads as would not have it, whatever our MoE block did "
         f"with it in training; remove it (~model.arch.{key}){switch}")
+
+
+def check_routing_groups(arch: Mapping[str, Any]) -> None:
+    """DeepSeek-V3 / GLM group-limited routing that HF's rule cannot run, refused here rather than at the build
+    (ds_ulysses_ext/moe/router.py check_groups says what runs)."""
+    from ds_ulysses_ext.moe.router import check_groups
+    if int(arch.get("n_group", 1) or 1) == 1 or "n_routed_experts" not in arch:
+        return
+    try:
+        check_groups(arch["n_routed_experts"], arch.get("num_experts_per_tok", 1), arch["n_group"],
+                     arch.get("topk_group", 1))
+    except ValueError as err:
+        raise ConfigError(f"model.arch: {err} (model.arch.n_group / model.arch.topk_group)") from None
 
 
 def check_attention_keys(arch: Mapping[str, Any]) -> None:

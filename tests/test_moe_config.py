@@ -151,3 +151,14 @@ def test_a_checkpoint_config_with_a_key_its_family_never_reads_is_refused_at_loa
     with pytest.raises(UnsupportedError, match=r"router_score='sigmoid' in the qwen3_moe config: HF's qwen3_moe "
                                                r"model never reads it \(read by: latent_moe\).*Remove router_score"):
         hf_moe_spec(config)
+
+
+@pytest.mark.parametrize("arch, message", [
+    (["model.arch.n_group=3"], "equal groups"),  # 8 experts do not split into 3 groups
+    (["model.arch.n_group=4", "model.arch.topk_group=0"], "topk_group=0"),
+])
+def test_group_limited_routing_hf_cannot_run_is_refused_before_the_build(arch, message):
+    """n_group / topk_group that HF's DeepSeek-V3 router cannot run: refused by validate, naming the keys."""
+    cfg = compose_config(["model=tiny_deepseek_v3", "parallelism.cp=1", *arch])
+    with pytest.raises(ConfigError, match=message):
+        validate(cfg, 1)
