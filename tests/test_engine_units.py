@@ -424,8 +424,9 @@ def test_out_of_memory_names_the_layout_and_the_leaner_policies(tmp_path):
     assert "memory.recompute=except_attention, recompute_num_layers=0" in message
     # already on except_attention: the advice starts at the next leaner policy, then cp
     assert "memory=except_attention (" not in message
-    assert message.index("memory=except_attention_tiled") < message.index("memory=long_context") \
-        < message.index("raise parallelism.cp (now 2")
+    assert message.index("memory=except_attention_tiled") < message.index("memory=except_attention_offload_tiled") \
+        < message.index("memory=long_context") < message.index("raise parallelism.cp (now 2") \
+        < message.index("memory=auto picks")
     assert "Tried to allocate 20.00 GiB" in message  # CUDA's own message stays in the chain
 
 

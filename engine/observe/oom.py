@@ -15,6 +15,8 @@ _LADDER = (
     ("except_attention", "recompute all but attention; keeps 7 x hidden bytes per token per layer"),
     ("except_attention_tiled", "the same with some layers recomputed whole and the MLP in tiles "
                                "(raise memory.recompute_num_layers for less)"),
+    ("except_attention_offload_tiled", "except_attention with attention's kept tensors in pinned host memory and "
+                                       "the MLP in tiles (its copies' overlap not yet measured on a GPU)"),
     ("long_context", "full recompute + activation offload to host + tiled MLP: the least GPU memory"),
 )
 
@@ -32,6 +34,7 @@ def _already(cfg: TrainConfig, preset: str) -> bool:
     m = cfg.memory
     return {"except_attention": m.recompute == "except_attention",
             "except_attention_tiled": m.recompute == "except_attention" and m.tiled_mlp,
+            "except_attention_offload_tiled": m.recompute == "except_attention" and m.attention_offload and m.tiled_mlp,
             "long_context": m.recompute == "full" and m.offload_activations and m.tiled_mlp}[preset]
 
 
@@ -44,6 +47,8 @@ def oom_advice(cfg: TrainConfig, plan: Plan, step: int, device: torch.device) ->
     tokens = plan.seq_len // plan.cp * plan.micro_batch_size
     options = [f"memory={p} ({why})" for p, why in _LADDER if not _already(cfg, p)]
     options.append(f"raise parallelism.cp (now {plan.cp}; activations per rank scale with data.seq_len / cp)")
+    options.append("memory=auto picks the fastest preset predicted to fit (python scripts/plan.py <the same "
+                   "overrides> prints its table without running)")
     if plan.micro_batch_size > 1:
         options.append("lower trainer.micro_batch_size (gradient accumulation keeps the global batch)")
     return (f"out of device memory in step {step}: data.seq_len={plan.seq_len}, cp={plan.cp}, so "
