@@ -5,7 +5,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from test_engine import BASE, RTOL, _rel, assert_same_trajectory, train
+from test_engine import BASE, RTOL, _rel, assert_same_trajectory, base_for, train
 
 from engine.run.evaluate import local_eval_batches
 
@@ -71,7 +71,7 @@ def test_eval_path_scores_every_sample_of_a_validation_file(tmp_path):
             f"data.eval_path={val}", "trainer.eval_every=2", "trainer.max_steps=2"]
     ref = _evals(train(tmp_path, "w1", 1, data + ["parallelism.cp=1"]))
     got = _evals(train(tmp_path, "w2_cp2", 2, data + ["parallelism.cp=2"]))
-    cfg = compose_config(BASE + data)
+    cfg = compose_config(base_for(data) + data)
     held, _, _ = build_dataset(dataclasses.replace(cfg.data, path=str(val)), seed=0,
                                vocab_size=cfg.model.arch["vocab_size"])
     assert len(held) == 5
