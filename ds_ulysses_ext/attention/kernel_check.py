@@ -38,10 +38,10 @@ def relative_error(name: str, got: torch.Tensor, ref: torch.Tensor) -> float:
     return ((got.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
 
 
-def first_disagreement(named) -> "tuple[str, float] | None":
-    """(name, error) of the first (name, got, ref) over TOLERANCE, or None when all agree."""
+def first_disagreement(named, tolerance: float = TOLERANCE) -> "tuple[str, float] | None":
+    """(name, error) of the first (name, got, ref) over `tolerance`, or None when all agree."""
     for name, got, ref in named:
         err = relative_error(name, got, ref)
-        if not err < TOLERANCE:
+        if not err < tolerance:
             return name, err
     return None

@@ -15,7 +15,7 @@ import logging
 
 import torch
 
-from ..attention.kernel_check import isolated
+from ..attention.kernel_check import first_disagreement, isolated
 from ..errors import UnsupportedError
 from . import reference
 
@@ -101,37 +101,28 @@ def _check_norm(provider, device, dtype, H, wdtype, eps, weight_in_fp32) -> None
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(64, H, device=device, generator=gen)
     w = 1 + 0.1 * torch.randn(H, device=device, generator=gen)
-    with isolated():
-        res = []
-        for fn in (provider.rms_norm, reference.rms_norm):
-            xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
-            out = fn(xl, wl, eps, weight_in_fp32)
-            out.backward(torch.ones_like(out) + out.detach())
-            res.append((out.detach(), xl.grad, wl.grad))
-    _agree("rms_norm", provider, res)
-    log.info("fused rms_norm (%s) checked against the eager reference on %s (width %d; runs in %s)",
-             provider.name, device, H, dtype)
+    _compare("rms_norm", provider, (x, w), (eps, weight_in_fp32), device, H, dtype)
 
 
 @functools.lru_cache(maxsize=None)
 def _check_silu_mul(provider, device, dtype, I) -> None:
     gen = torch.Generator(device=device).manual_seed(0)
     gate, up = torch.randn(64, I, device=device, generator=gen), torch.randn(64, I, device=device, generator=gen)
+    _compare("silu_mul", provider, (gate, up), (), device, I, dtype)
+
+
+def _compare(op: str, provider, tensors, args, device, width: int, dtype) -> None:
+    """The provider's `op` against the reference's, forward and backward, in fp32 on `tensors` (+ plain `args`)."""
     with isolated():
         res = []
-        for fn in (provider.silu_mul, reference.silu_mul):
-            g, u = gate.clone().requires_grad_(), up.clone().requires_grad_()
-            out = fn(g, u)
+        for fn in (getattr(provider, op), getattr(reference, op)):
+            leaves = [t.clone().requires_grad_() for t in tensors]
+            out = fn(*leaves, *args)
             out.backward(torch.ones_like(out) + out.detach())
-            res.append((out.detach(), g.grad, u.grad))
-    _agree("silu_mul", provider, res)
-    log.info("fused silu_mul (%s) checked against the eager reference on %s (width %d; runs in %s)",
-             provider.name, device, I, dtype)
-
-
-def _agree(op, provider, res) -> None:
-    for got, ref in zip(*res):
-        err = float((got.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
-        if not err < TOLERANCE:
-            raise RuntimeError(f"fused {op} ({provider.name}) disagrees with the eager reference (relative error "
-                               f"{err:.2e}); set model.kernels=none (or another provider) and report this")
+            res.append([out.detach()] + [t.grad for t in leaves])
+    bad = first_disagreement(zip(("output", "first input's gradient", "second input's gradient"), *res), TOLERANCE)
+    if bad is not None:
+        raise RuntimeError(f"fused {op} ({provider.name}) disagrees with the eager reference ({bad[0]}: relative error "
+                           f"{bad[1]:.2e}); set model.kernels=none (or another provider) and report this")
+    log.info("fused %s (%s) checked against the eager reference on %s (width %d; runs in %s)",
+             op, provider.name, device, width, dtype)
