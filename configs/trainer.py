@@ -61,7 +61,9 @@ class TrainerConfig:
     max_minutes: float = 0.0
     stop_after_steps: int = 0  # debug/tests: exit after N steps as if interrupted (to test resume); 0 = off
     export_hf: bool = True  # at the end, write an HF `save_pretrained` folder of the trained model
-    loss_chunk_size: int = 4096  # tokens per chunk of the chunked logits + loss (full-vocab logits never exist)
+    # tokens per chunk of the chunked logits + loss (full-vocab logits never exist); 0: sized to the vocabulary, the
+    # fp32 [chunk, vocab] block at most 1 GiB (ds_ulysses_ext/loss.py chunk_tokens: 2048 at a 128k vocabulary)
+    loss_chunk_size: int = 0
     # compute each chunk's gradients in forward instead of recomputing lm_head in backward (ds_ulysses_ext/loss.py)
     fused_loss: bool = True
 
@@ -94,7 +96,8 @@ def check_trainer(t: TrainerConfig) -> None:
             f"trainer.save_every_minutes={t.save_every_minutes} must be >= 0 (0 = no timed checkpoints)")
     require(t.keep_checkpoints >= 0,
             f"trainer.keep_checkpoints={t.keep_checkpoints} must be >= 0 (0 = keep every checkpoint)")
-    require(t.loss_chunk_size >= 1, f"trainer.loss_chunk_size={t.loss_chunk_size} must be >= 1")
+    require(t.loss_chunk_size >= 0, f"trainer.loss_chunk_size={t.loss_chunk_size} must be >= 1 (or 0: sized to "
+            "the vocabulary)")
 
 
 def check_eval(cfg: "TrainConfig") -> None:

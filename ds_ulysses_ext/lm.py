@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .loss import chunked_lm_loss_sum, fusable, linear_cross_entropy_sum
+from .loss import chunk_tokens, chunked_lm_loss_sum, fusable, linear_cross_entropy_sum
 
 
 class HeadLoss(torch.nn.Module):
@@ -48,10 +48,13 @@ class HeadLoss(torch.nn.Module):
 
 
 class CPCausalLM(torch.nn.Module):
-    def __init__(self, hf_model, loss_chunk_size: int = 4096, fused_loss: bool = True):
+    def __init__(self, hf_model, loss_chunk_size: int = 0, fused_loss: bool = True):
+        """loss_chunk_size: tokens per chunk of the head's logits; 0 sizes it to the vocabulary (loss.chunk_tokens)."""
         super().__init__()
         self.hf = hf_model
-        self.head_loss = HeadLoss(hf_model.get_output_embeddings(), loss_chunk_size, fused_loss)
+        head = hf_model.get_output_embeddings()
+        vocab = getattr(head, "out_features", None) or hf_model.config.vocab_size
+        self.head_loss = HeadLoss(head, chunk_tokens(loss_chunk_size, vocab), fused_loss)
 
     @property
     def config(self):

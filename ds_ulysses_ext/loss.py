@@ -25,6 +25,9 @@ lm_head's forward, so `CPCausalLM` registers it as an external parameter of its 
 """
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
@@ -32,6 +35,23 @@ from torch.utils.checkpoint import checkpoint
 from .batch import IGNORE_INDEX
 from .comm import all_reduce_sum
 from .topology import Topology
+
+log = logging.getLogger(__name__)
+
+MAX_CHUNK = 4096
+CHUNK_BLOCK_BYTES = 2**30  # the chunk's fp32 [C, V] block; its bf16 logits and gradient add half of it each
+
+
+def chunk_tokens(requested: int, vocab: int) -> int:
+    """trainer.loss_chunk_size, or (0) the largest power of two up to 4096 tokens whose fp32 [C, V] block stays
+    within 1 GiB: 2048 at Llama-3's 128k vocabulary, 1024 at Qwen3's 152k, 4096 at 32k. The block, not the
+    GEMM, sets the head's peak: at 4096 x 128k it was the step's largest transient (issue 22's breakdown)."""
+    if requested:
+        return requested
+    c = MAX_CHUNK
+    while c > 256 and c * vocab * 4 > CHUNK_BLOCK_BYTES:
+        c //= 2
+    return c
 
 
 def _tokens(hidden_BsH: torch.Tensor, labels_Bs: torch.Tensor, chunk_size: int):
@@ -70,10 +90,11 @@ def _chunk_nll_sum_and_logit_grad(h_CH, weight_VH, y_C, need_grad):
     on .float() logits. Each pass over a [C, V] fp32 block reads and writes 4*C*V bytes, the largest
     memory traffic of the step's head (docs/benchmarks.md, section H), so the chunk makes as few passes
     as it can: one fused log-softmax kernel (not logsumexp's
-    amax/sub/exp/sum/log) and, for the gradient, one in-place exp and one cast. Being a function, its
-    fp32 block is freed on return, before the caller's matmuls allocate.
+    amax/sub/exp/sum/log) that reads the 16-bit logits and writes fp32 (`dtype=`: no separate upcast pass or
+    fp32 copy; on CPU torch upcasts first, as before) and, for the gradient, one in-place exp and one cast. Being
+    a function, its fp32 block is freed on return, before the caller's matmuls allocate.
     """
-    logp_CV = torch.log_softmax((h_CH @ weight_VH.t()).float(), dim=-1)
+    logp_CV = torch.log_softmax(h_CH @ weight_VH.t(), dim=-1, dtype=torch.float32)
     valid_C = y_C != IGNORE_INDEX
     y_safe_C = torch.where(valid_C, y_C, 0)
     nll_sum = torch.where(valid_C, logp_CV.gather(1, y_safe_C[:, None]).squeeze(1).neg_(), 0.0).sum()
@@ -86,6 +107,39 @@ def _chunk_nll_sum_and_logit_grad(h_CH, weight_VH, y_C, need_grad):
     # masking after the cast is exact (x * 1 and x * 0 round the same) and moves half the bytes; a mask
     # of the same dtype keeps the kernel vectorised
     return nll_sum, g_CV.mul_(valid_C.to(g_CV.dtype)[:, None])
+
+
+def _add_weight_grad(grad_VH: torch.Tensor, g_CV: torch.Tensor, h_CH: torch.Tensor) -> None:
+    """grad_VH (fp32) += g^T h. On CUDA in 16 bits cuBLAS adds the product into the fp32 buffer in its epilogue
+    (addmm's out_dtype): no [V, H] temporary (0.5 GiB at 128k x 2048), no cast-and-add pass per chunk, and each
+    chunk's product unrounded, as HF's one GEMM over all tokens keeps it. Elsewhere the product is rounded to the
+    weight dtype, as autograd's lm_head backward rounds it, and added in fp32."""
+    if g_CV.dtype in (torch.bfloat16, torch.float16) and _fp32_epilogue_works(g_CV.device, g_CV.dtype):
+        torch.addmm(grad_VH, g_CV.t(), h_CH, out_dtype=torch.float32, out=grad_VH)
+    else:
+        grad_VH += (g_CV.t() @ h_CH).float()
+
+
+@functools.lru_cache(maxsize=None)
+def _fp32_epilogue_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether this torch adds a 16-bit product into an fp32 buffer in place, correctly (checked once on a small
+    case against fp32 arithmetic on values exact in both dtypes); else the portable path, said in the log."""
+    if device.type != "cuda":
+        return False
+    try:
+        a = torch.arange(-8, 8, device=device, dtype=dtype).reshape(4, 4)
+        b = torch.arange(0, 32, device=device, dtype=dtype).reshape(4, 8) / 8
+        acc = torch.full((4, 8), 0.25, device=device)
+        torch.addmm(acc, a.t(), b, out_dtype=torch.float32, out=acc)
+        ok = torch.equal(acc, 0.25 + a.float().t() @ b.float())
+    except (RuntimeError, TypeError) as err:
+        ok, why = False, f"{type(err).__name__}: {err}"
+    else:
+        why = "wrong values"
+    if not ok:
+        log.info("fused loss: the fp32 weight-gradient epilogue is unavailable here (%s); each chunk's product is "
+                 "rounded to %s and added in a separate pass", why, dtype)
+    return ok
 
 
 class _LinearCrossEntropySum(torch.autograd.Function):
@@ -106,7 +160,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             if need_h:
                 grad_TH[start:start + chunk_size] = g_CV @ weight_VH
             if need_w:
-                grad_VH += (g_CV.t() @ h_CH).float()
+                _add_weight_grad(grad_VH, g_CV, h_CH)
             del g_CV  # before the next chunk's logits exist, so two chunks' blocks never coexist
         ctx.weight_dtype = weight_VH.dtype
         ctx.save_for_backward(grad_TH, grad_VH)

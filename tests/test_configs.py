@@ -390,7 +390,7 @@ REFUSALS = [
     ("save_every", ["trainer.save_every=-1"], 2, r"trainer\.save_every=-1 must be >= 0"),
     ("keep_checkpoints", ["trainer.keep_checkpoints=-1"], 2, r"trainer\.keep_checkpoints=-1 must be >= 0"),
     ("save_every_minutes", ["trainer.save_every_minutes=-5"], 2, r"trainer\.save_every_minutes=-5\.0 must be >= 0"),
-    ("loss_chunk_size", ["trainer.loss_chunk_size=0"], 2, r"trainer\.loss_chunk_size=0 must be >= 1"),
+    ("loss_chunk_size", ["trainer.loss_chunk_size=-1"], 2, r"trainer\.loss_chunk_size=-1 must be >= 1"),
     (
         "pretrained_without_path",
         ["model.source=pretrained"],

@@ -327,6 +327,32 @@ def test_fused_per_token_kernels_match_fp32(name, weight_in_fp32):
             assert _rel(got, ref) < TOL, (op, _rel(got, ref))
 
 
+@pytest.mark.parametrize("name", ["liger", "compile"])
+def test_fused_rope_matches_fp32(name):
+    """ds_ulysses_ext.kernels: RoPE as HF's attention hands it over (q, k [B, H, s, D] views of [B, s, H, D]), bf16,
+    forward and backward, through the checked provider, against the reference in fp32; Llama-3.2-1B's head shape
+    and MLA's shared one-head k (GLM-4.7-Flash's rope part, D 64)."""
+    from ds_ulysses_ext.kernels import providers, reference
+    if name == "liger" and not providers.liger_available():
+        pytest.skip("Liger-Kernel is not installed")
+    provider = providers.provider_for(name, torch.device("cuda"))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for Hq, Hkv, D in ((32, 8, 64), (20, 1, 64)):
+        q = torch.randn(1, 2048, Hq, D, device="cuda", generator=gen).transpose(1, 2)
+        k = torch.randn(1, 2048, Hkv, D, device="cuda", generator=gen).transpose(1, 2)
+        angle = torch.arange(2048, device="cuda")[:, None] * 500000.0 ** -torch.linspace(0, 1, D // 2, device="cuda")
+        emb = torch.cat((angle, angle), -1)[None]
+        results = []
+        for fn, dtype in ((provider.rope, torch.bfloat16), (reference.rope, torch.float32)):
+            leaves = [t.to(dtype).requires_grad_() for t in (q, k)]
+            outs = fn(*leaves, emb.cos().to(dtype), emb.sin().to(dtype))
+            torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+            results.append(list(outs) + [t.grad for t in leaves])
+        for got, ref in zip(*results):
+            assert got.dtype == torch.bfloat16 and got.shape == ref.shape
+            assert _rel(got, ref) < TOL, (Hq, Hkv, _rel(got, ref))
+
+
 def test_moe_block_at_ep1_never_syncs_the_host():
     """The MoE block's forward and backward at ep=1 (grouped experts, bf16) under CUDA's sync debug mode: any
     device-to-host read (a count, an item) raises; the output against the same block run outside the mode (an
@@ -432,3 +458,30 @@ def test_attention_offload_on_cuda_matches_and_lowers_the_peak():
         assert _rel(g, grads_off[n]) < TOL, (n, _rel(g, grads_off[n]))
     per_layer = stats["offloaded_bytes"] / layers
     assert peak_on < peak_off - 0.5 * (layers - 2) * per_layer, (peak_on / 2**20, peak_off / 2**20, per_layer / 2**20)
+
+
+def test_fused_loss_head_in_bf16_against_hf_formula():
+    """ds_ulysses_ext.loss on CUDA: the log-softmax reads the bf16 logits (dtype=fp32) and the weight gradient is
+    added into its fp32 buffer by cuBLAS (the fast path must be the one running here), at Llama-3's vocabulary and
+    the auto chunk; against HF's cross_entropy(logits.float()) on the same bf16 tensors."""
+    import torch.nn.functional as F
+
+    from ds_ulysses_ext.batch import IGNORE_INDEX
+    from ds_ulysses_ext.loss import _fp32_epilogue_works, chunk_tokens, linear_cross_entropy_sum
+    dev = torch.device("cuda", torch.cuda.current_device())
+    assert _fp32_epilogue_works(dev, torch.bfloat16), "see the log line that says why"
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    V, H, T = 128256, 2048, 6000
+    weight = (torch.randn(V, H, device="cuda", generator=gen) * 0.02).bfloat16().requires_grad_()
+    hidden = torch.randn(1, T, H, device="cuda", generator=gen).bfloat16().requires_grad_()
+    labels = torch.randint(0, V, (1, T), device="cuda", generator=gen)
+    labels[0, :500] = IGNORE_INDEX
+    ref = F.cross_entropy((hidden @ weight.t()).float().reshape(-1, V), labels.reshape(-1), ignore_index=IGNORE_INDEX,
+                          reduction="sum")
+    ref_grads = torch.autograd.grad(ref / 5500, [hidden, weight])
+    got, count = linear_cross_entropy_sum(weight, hidden, labels, chunk_size=chunk_tokens(0, V))
+    grads = torch.autograd.grad(got / 5500, [hidden, weight])
+    assert count.item() == 5500
+    assert _rel(got, ref) < 1e-5, _rel(got, ref)
+    for g, r in zip(grads, ref_grads):
+        assert g.dtype == torch.bfloat16 and _rel(g, r) < TOL, _rel(g, r)

@@ -15,17 +15,17 @@ from ds_ulysses_ext.kernels.providers import Checked, Provider
 _MOE = dict(moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1, n_group=1,
             topk_group=1)
 _MLA = dict(_MOE, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8, head_dim=4)
-FAMILIES = {  # family: (extra HF config, RMSNorms bound, SwiGLU MLPs bound) for 2 layers
-    "llama": ({}, 5, 2),
-    "mistral": ({}, 5, 2),
-    "qwen2": ({}, 5, 2),
-    "qwen3": ({}, 9, 2),  # q/k norms too
-    "qwen3_moe": (dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16), 9, 0),  # experts: ours
-    "gpt_oss": (dict(num_local_experts=4, num_experts_per_tok=2), 5, 0),
+FAMILIES = {  # family: (extra HF config, RMSNorms, SwiGLU MLPs, RoPEs bound) for 2 layers
+    "llama": ({}, 5, 2, 2),
+    "mistral": ({}, 5, 2, 2),
+    "qwen2": ({}, 5, 2, 2),
+    "qwen3": ({}, 9, 2, 2),  # q/k norms too
+    "qwen3_moe": (dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16), 9, 0, 2),  # experts: ours
+    "gpt_oss": (dict(num_local_experts=4, num_experts_per_tok=2), 5, 0, 0),  # half-width cos/sin: HF's RoPE
     # MLA: q/kv latent norms too; the first layer dense, the second's shared experts a SwiGLU MLP
-    "deepseek_v3": (dict(_MLA, num_key_value_heads=4), 9, 2),
-    "glm4_moe_lite": (dict(_MLA, num_key_value_heads=4), 9, 2),
-    "glm4_moe": (dict(_MOE, use_qk_norm=True), 9, 2),  # q/k norms
+    "deepseek_v3": (dict(_MLA, num_key_value_heads=4), 9, 2, 2),  # RoPE on the rope part
+    "glm4_moe_lite": (dict(_MLA, num_key_value_heads=4), 9, 2, 2),
+    "glm4_moe": (dict(_MOE, use_qk_norm=True), 9, 2, 0),  # q/k norms; partial rotation: HF's RoPE
 }
 
 
@@ -56,10 +56,30 @@ def test_bound_ops_give_hf_bitwise(family):
     ref_logits, ref_grads = _logits_and_grads(_model(family), ids)
     model = _model(family)
     report = apply_fused_kernels(model, "auto", torch.device("cpu"), provider=Provider())
-    assert (report.norms, report.mlps) == FAMILIES[family][1:], report
+    assert (report.norms, report.mlps, report.ropes) == FAMILIES[family][1:], report
     logits, grads = _logits_and_grads(model, ids)
     assert torch.equal(logits, ref_logits)
     assert grads.keys() == ref_grads.keys()
+    for name in grads:
+        assert torch.equal(grads[name], ref_grads[name]), name
+
+
+def test_mla_rope_part_without_interleave_goes_through_the_provider():
+    """DeepSeek-V3's default (rope_interleave) calls HF's interleaved function, which stays eager; without it, the
+    rope part [B, H, s, rope dim] and the shared k part [B, 1, s, rope dim] take the bound RoPE, bitwise HF's."""
+    class Counting(Provider):
+        calls = 0
+
+        def rope(self, q, k, cos, sin):
+            Counting.calls += 1
+            return super().rope(q, k, cos, sin)
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    ref_logits, ref_grads = _logits_and_grads(_model("deepseek_v3", rope_interleave=False), ids)
+    model = _model("deepseek_v3", rope_interleave=False)
+    apply_fused_kernels(model, "auto", torch.device("cpu"), provider=Counting())
+    logits, grads = _logits_and_grads(model, ids)
+    assert Counting.calls == 2
+    assert torch.equal(logits, ref_logits)
     for name in grads:
         assert torch.equal(grads[name], ref_grads[name]), name
 
@@ -69,6 +89,29 @@ def test_a_non_silu_mlp_stays_eager_and_is_reported():
     report = apply_fused_kernels(model, "auto", torch.device("cpu"), provider=Provider())
     assert report.mlps == 0 and report.skipped_mlps == ["LlamaMLP", "LlamaMLP"]
     assert "forward" not in model.model.layers[0].mlp.__dict__
+
+
+def test_rope_bound_per_instance_runs_the_provider():
+    """The bound forward runs HF's code with the provider's RoPE; another instance and HF's module keep theirs."""
+    from transformers.models.llama import modeling_llama
+
+    class Counting(Provider):
+        calls = 0
+
+        def rope(self, q, k, cos, sin):
+            Counting.calls += 1
+            return super().rope(q, k, cos, sin)
+    model, other = _model("llama"), _model("llama")
+    apply_fused_kernels(model, "auto", torch.device("cpu"), provider=Counting())
+    ids = torch.randint(0, 64, (1, 6))
+    other(input_ids=ids)
+    assert Counting.calls == 0
+    model(input_ids=ids)
+    assert Counting.calls == 2  # one per layer
+    assert "forward" not in other.model.layers[0].self_attn.__dict__
+    assert modeling_llama.apply_rotary_pos_emb.__name__ == "apply_rotary_pos_emb"
+    assert modeling_llama.LlamaAttention.forward.__globals__["apply_rotary_pos_emb"] is \
+        modeling_llama.apply_rotary_pos_emb
 
 
 def test_cpu_keeps_hf_modules():
@@ -91,6 +134,9 @@ class _Swapped(Provider):
     def silu_mul(self, gate, up):
         return super().silu_mul(up, gate)
 
+    def rope(self, q, k, cos, sin):
+        return super().rope(q, k, sin, cos)
+
 
 def test_first_use_check_stops_a_wrong_kernel():
     x, w = torch.randn(3, 16), torch.randn(16)
@@ -98,6 +144,9 @@ def test_first_use_check_stops_a_wrong_kernel():
         Checked(_NoWeight()).rms_norm(x, w, 1e-6, False)
     with pytest.raises(RuntimeError, match="model.kernels=none"):
         Checked(_Swapped()).silu_mul(x, x + 1)
+    q, k, cs = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 5, 8)
+    with pytest.raises(RuntimeError, match="model.kernels=none"):
+        Checked(_Swapped()).rope(q, k, cs, cs + 1)
     out = Checked(Provider()).rms_norm(x, w, 1e-6, False)  # the reference passes its own check
     assert torch.equal(out, Provider().rms_norm(x, w, 1e-6, False))
 

@@ -71,6 +71,16 @@ def test_fused_loss_in_bf16_rounds_as_hf_does():
         assert g.dtype == r.dtype and _rel(g.float(), r.float()) < 1e-2
 
 
+def test_chunk_sized_to_the_vocabulary():
+    from ds_ulysses_ext.loss import chunk_tokens
+    # fp32 [C, V] block at most 1 GiB, C a power of two up to 4096: 2^30 / (4 * V) is 2093, 1766 and 8388 tokens
+    assert chunk_tokens(0, 128256) == 2048  # Llama-3
+    assert chunk_tokens(0, 151936) == 1024  # Qwen3
+    assert chunk_tokens(0, 32000) == 4096  # capped
+    assert chunk_tokens(0, 10**8) == 256  # floor
+    assert chunk_tokens(7, 128256) == 7  # asked for
+
+
 def test_fused_loss_without_grad_and_with_a_frozen_head():
     weight = torch.randn(7, 4)  # frozen (LoRA-style): only the hidden states get a gradient
     hidden = torch.randn(1, 5, 4, requires_grad=True)

@@ -1,16 +1,25 @@
 """Bind the fused per-token ops to a model's modules, instance by instance (HF's classes stay untouched).
 
-Shapes: RMSNorm x [..., H] -> [..., H]; MLP x [B, s, H] -> gate, up [B, s, I] -> down [B, s, H].
+Shapes: RMSNorm x [..., H] -> [..., H]; MLP x [B, s, H] -> gate, up [B, s, I] -> down [B, s, H]; RoPE q [B, Hq, s, D],
+k [B, Hkv, s, D], cos, sin [B, s, D].
 
 What is bound, by structure rather than by class name, so every family with these modules gets them:
 - an RMSNorm: a module with `weight` [H] and `variance_epsilon` (HF's norms, Qwen3's q/k norms, the final norm);
   GPT-OSS's scales in fp32 before the cast (`FP32_WEIGHT_NORMS`), the others cast first;
-- a dense SwiGLU MLP: `gate_proj`, `up_proj`, `down_proj` and a SiLU `act_fn` (MoE experts are our own kernels).
+- a dense SwiGLU MLP: `gate_proj`, `up_proj`, `down_proj` and a SiLU `act_fn` (MoE experts are our own kernels);
+- RoPE, in an attention module whose forward calls its modeling file's `apply_rotary_pos_emb` and whose function is
+  Llama's to the bytecode (Llama, Mistral, Qwen2/3, Qwen3-MoE; not GPT-OSS's half-width cos/sin, GLM's partial
+  rotation; DeepSeek-V3's default rope_interleave calls HF's interleaved function, which stays eager though the
+  module counts as bound). HF's forward calls that function from its module's globals, so the instance gets
+  HF's own forward code over a copy of those globals with the fused function in its place: nothing process-wide
+  changes, and no attention forward is rewritten here. The copy is taken when the model is built (later
+  reassignments of that module's globals are not seen; ours never make any).
 Anything else keeps its eager forward; the report counts both, and the run logs it.
 """
 from __future__ import annotations
 
 import logging
+import types
 from dataclasses import dataclass, field
 
 import torch
@@ -28,13 +37,15 @@ class KernelReport:
     provider: str = "none"
     norms: int = 0
     mlps: int = 0
+    ropes: int = 0
     skipped_mlps: list = field(default_factory=list)  # class names of MLPs left eager (not SiLU-gated)
 
     def __str__(self) -> str:
         if self.provider == "none":
             return "per-token kernels: eager (HF's modules)"
         skipped = f"; left eager: {sorted(set(self.skipped_mlps))}" if self.skipped_mlps else ""
-        return f"per-token kernels: {self.provider} for {self.norms} RMSNorms and {self.mlps} SwiGLU MLPs{skipped}"
+        return (f"per-token kernels: {self.provider} for {self.norms} RMSNorms, {self.mlps} SwiGLU MLPs and "
+                f"{self.ropes} RoPEs{skipped}")
 
 
 def apply_fused_kernels(model: torch.nn.Module, mode: str, device: torch.device, provider=None) -> KernelReport:
@@ -54,6 +65,9 @@ def apply_fused_kernels(model: torch.nn.Module, mode: str, device: torch.device,
                 report.mlps += 1
             else:
                 report.skipped_mlps.append(type(module).__name__)
+        elif _llama_rope_caller(module):
+            _bind_rope(module, provider)
+            report.ropes += 1
     log.info("%s", report)
     return report
 
@@ -86,3 +100,39 @@ def _bind_mlp(mlp, provider) -> None:
     def forward(x):
         return mlp.down_proj(provider.silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
     mlp.forward = forward
+
+
+def _llama_rope_caller(m) -> bool:
+    """An attention module whose class forward calls a module-level apply_rotary_pos_emb of Llama's form."""
+    fn = getattr(type(m), "forward", None)
+    code = getattr(fn, "__code__", None)
+    if code is None or "forward" in m.__dict__ or "apply_rotary_pos_emb" not in code.co_names:
+        return False
+    rope = fn.__globals__.get("apply_rotary_pos_emb")
+    half = fn.__globals__.get("rotate_half")
+    return _same_code(rope, _llama_functions()[0]) and _same_code(half, _llama_functions()[1])
+
+
+def _llama_functions():
+    from transformers.models.llama import modeling_llama
+    return modeling_llama.apply_rotary_pos_emb, modeling_llama.rotate_half
+
+
+def _same_code(f, g) -> bool:
+    a, b = getattr(f, "__code__", None), getattr(g, "__code__", None)
+    return a is not None and b is not None and (a.co_code, a.co_consts, a.co_names, a.co_varnames) == \
+        (b.co_code, b.co_consts, b.co_names, b.co_varnames) and f.__defaults__ == g.__defaults__
+
+
+def _bind_rope(attn, provider) -> None:
+    fn = type(attn).forward
+
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        if unsqueeze_dim != 1:  # the callers bound here pass the default; anything else takes HF's function
+            return fn.__globals__["apply_rotary_pos_emb"](q, k, cos, sin, unsqueeze_dim)
+        return provider.rope(q, k, cos, sin)
+
+    scope = dict(fn.__globals__, apply_rotary_pos_emb=apply_rotary_pos_emb)
+    forward = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
+    forward.__kwdefaults__ = fn.__kwdefaults__
+    attn.forward = types.MethodType(forward, attn)

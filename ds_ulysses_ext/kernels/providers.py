@@ -1,6 +1,7 @@
 """Who computes the fused ops: Liger-Kernel, torch.compile, or the eager reference; and the first-use check.
 
-Shapes: x [..., H], weight [H] -> [..., H]; gate, up [..., I] -> [..., I].
+Shapes: x [..., H], weight [H] -> [..., H]; gate, up [..., I] -> [..., I]; q [B, Hq, s, D], k [B, Hkv, s, D],
+cos, sin [B, s, D] -> q, k rotated.
 
 Liger is imported lazily (a GPU extra). Its RMSNorm casting modes are the two HF orders of reference.rms_norm:
 "llama" casts before the weight, "gemma" (offset 0) scales in fp32. The first call of each (op, dtype, width)
@@ -34,14 +35,18 @@ class Provider:
     def silu_mul(self, gate, up):
         return reference.silu_mul(gate, up)
 
+    def rope(self, q, k, cos, sin):
+        return reference.rope(q, k, cos, sin)
+
 
 class LigerProvider(Provider):
     name = "liger"
 
     def __init__(self):
         from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+        from liger_kernel.ops.rope import LigerRopeFunction
         from liger_kernel.ops.swiglu import LigerSiLUMulFunction
-        self._norm, self._silu_mul = LigerRMSNormFunction, LigerSiLUMulFunction
+        self._norm, self._silu_mul, self._rope = LigerRMSNormFunction, LigerSiLUMulFunction, LigerRopeFunction
 
     def rms_norm(self, x, weight, eps, weight_in_fp32):
         # in_place=False: the input is the residual stream, which the decoder still adds to
@@ -50,6 +55,9 @@ class LigerProvider(Provider):
     def silu_mul(self, gate, up):
         return self._silu_mul.apply(gate, up)
 
+    def rope(self, q, k, cos, sin):
+        return self._rope.apply(q, k, cos, sin)  # position_ids None, unsqueeze_dim 1: reference.rope's form
+
 
 class CompileProvider(Provider):
     name = "compile"
@@ -57,12 +65,16 @@ class CompileProvider(Provider):
     def __init__(self):
         self._norm = torch.compile(reference.rms_norm, dynamic=False, fullgraph=True)
         self._silu_mul = torch.compile(reference.silu_mul, dynamic=False, fullgraph=True)
+        self._rope = torch.compile(reference.rope, dynamic=False, fullgraph=True)
 
     def rms_norm(self, x, weight, eps, weight_in_fp32):
         return self._norm(x, weight, eps, weight_in_fp32)
 
     def silu_mul(self, gate, up):
         return self._silu_mul(gate, up)
+
+    def rope(self, q, k, cos, sin):
+        return self._rope(q, k, cos, sin)
 
 
 def liger_available() -> bool:
@@ -95,6 +107,10 @@ class Checked(Provider):
         _check_silu_mul(self.inner, gate.device, gate.dtype, gate.shape[-1])
         return self.inner.silu_mul(gate, up)
 
+    def rope(self, q, k, cos, sin):
+        _check_rope(self.inner, q.device, q.dtype, q.shape[-1], q.shape[1], k.shape[1])
+        return self.inner.rope(q, k, cos, sin)
+
 
 @functools.lru_cache(maxsize=None)
 def _check_norm(provider, device, dtype, H, wdtype, eps, weight_in_fp32) -> None:
@@ -111,16 +127,28 @@ def _check_silu_mul(provider, device, dtype, I) -> None:
     _compare("silu_mul", provider, (gate, up), (), device, I, dtype)
 
 
-def _compare(op: str, provider, tensors, args, device, width: int, dtype) -> None:
+@functools.lru_cache(maxsize=None)
+def _check_rope(provider, device, dtype, D, Hq, Hkv) -> None:
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k = torch.randn(2, Hq, 8, D, device=device, generator=gen), torch.randn(2, Hkv, 8, D, device=device, generator=gen)
+    angle = torch.arange(8, device=device)[:, None] * torch.rand(D // 2, device=device, generator=gen)
+    emb = torch.cat((angle, angle), dim=-1).expand(2, 8, D)
+    _compare("rope", provider, (q, k, emb.cos(), emb.sin()), (), device, D, dtype, grads=2)
+
+
+def _compare(op: str, provider, tensors, args, device, width: int, dtype, grads: int = None) -> None:
     """The provider's `op` against the reference's, forward and backward, in fp32 on `tensors` (+ plain `args`)."""
     with isolated():
         res = []
         for fn in (getattr(provider, op), getattr(reference, op)):
-            leaves = [t.clone().requires_grad_() for t in tensors]
-            out = fn(*leaves, *args)
-            out.backward(torch.ones_like(out) + out.detach())
-            res.append([out.detach()] + [t.grad for t in leaves])
-    bad = first_disagreement(zip(("output", "first input's gradient", "second input's gradient"), *res), TOLERANCE)
+            leaves = [t.clone().requires_grad_(i < (grads or len(tensors))) for i, t in enumerate(tensors)]
+            outs = fn(*leaves, *args)
+            outs = outs if isinstance(outs, tuple) else (outs,)
+            torch.autograd.backward(outs, [torch.ones_like(o) + o.detach() for o in outs])
+            res.append([o.detach() for o in outs] + [t.grad for t in leaves if t.requires_grad])
+    names = [f"output {i}" for i in range(len(res[0]) - (grads or len(tensors)))]
+    names += [f"input {i}'s gradient" for i in range(grads or len(tensors))]
+    bad = first_disagreement(zip(names, *res), TOLERANCE)
     if bad is not None:
         raise RuntimeError(f"fused {op} ({provider.name}) disagrees with the eager reference ({bad[0]}: relative error "
                            f"{bad[1]:.2e}); set model.kernels=none (or another provider) and report this")

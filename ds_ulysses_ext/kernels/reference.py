@@ -1,7 +1,8 @@
 """The per-token ops as HF's eager modules compute them: the reference every fused provider is checked against,
 and the functions `compile` mode compiles.
 
-Shapes: x [..., H], weight [H] -> [..., H]; gate, up [..., I] -> [..., I].
+Shapes: x [..., H], weight [H] -> [..., H]; gate, up [..., I] -> [..., I]; q [B, Hq, s, D], k [B, Hkv, s, D],
+cos, sin [B, s, D] -> q, k rotated.
 """
 from __future__ import annotations
 
@@ -22,3 +23,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_fp32: 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Llama's apply_rotary_pos_emb (unsqueeze_dim=1): the form bind.py requires of a family before it swaps in a
+    fused one."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
