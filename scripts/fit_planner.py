@@ -69,9 +69,11 @@ def table(rows, coef) -> str:
            "| error | use |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         p = predict(*calibration_case(r), coef)
-        settings = ", ".join(x for x in (f"master {r['master_weights']}", r["attn_backend"],
-                                         "fused kernels" if r["kernels"] == "fused" else "",
-                                         "moe.recompute=experts" if r["moe_recompute"] == "experts" else "") if x)
+        master = f"master {r['master_weights']}" + ("" if r.get("shared_master", True) else " (own copy)")
+        settings = ", ".join(x for x in (master, r["attn_backend"], "fused kernels" if r["kernels"] == "fused" else "",
+                                         "moe.recompute=experts" if r["moe_recompute"] == "experts" else "",
+                                         *(f"memory.{k}={json.dumps(v)}" for k, v in
+                                           r.get("memory_overrides", {}).items())) if x)
         em = p.peak_gib / r["peak_alloc_gib"] - 1
         et = p.step_s / r["step_s"] - 1
         flag = lambda e: f"**{e:+.0%}**" if abs(e) > 0.15 else f"{e:+.0%}"  # noqa: E731

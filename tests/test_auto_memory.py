@@ -13,14 +13,16 @@ import torch
 from configs import compose_config, validate
 from configs.errors import ConfigError
 from dist_harness import run_ranks
-from ds_ulysses_ext.memory.planner import load_calibration, predict
+import engine.run.auto_memory as auto_memory
+from ds_ulysses_ext.memory.planner import ModelShape, Policy, RunShape, _state_bytes, load_calibration, predict
 from engine.run.auto_memory import (FIT_FRACTION, TIE_FRACTION, apply_auto_memory, calibration_case, longest_fitting,
                                     plan_memory, preset_fields)
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA_1B = ["model=llama3_2_1b", "data=synthetic", "precision=bf16", "parallelism.cp=1", "device=cuda"]
-# the measured rows the model misses by more than 15% (docs/memory.md says so); any other miss fails
-KNOWN_MISSES = {("llama3_2_1b", 1048576, "long_context", "memory")}
+# the measured rows the model misses by more than 15% (docs/memory.md says so); any other miss fails. The 512k row
+# is a check row: one step with no warm-up, so its time carries the first step's one-time costs
+KNOWN_MISSES = {("llama3_2_1b", 524288, "except_attention_offload_tiled", "time")}
 
 
 def _errors():
@@ -49,7 +51,8 @@ def _plan(overrides, gpu_gib=140.0, host_gib=1000.0, world=1, on_gpu=True):
     return cfg, plan_memory(cfg, world, gpu_gib, host_gib, on_gpu=on_gpu)
 
 
-@pytest.mark.parametrize("seq_len,expected", [(16384, "selective"), (131072, "except_attention"),
+# at 128k except_attention_offload ties with except_attention on time (its copies hide) and needs less GPU memory
+@pytest.mark.parametrize("seq_len,expected", [(16384, "selective"), (131072, "except_attention_offload"),
                                               (1048576, "long_context")])
 def test_auto_picks_the_fastest_preset_that_fits(seq_len, expected):
     cfg, plan = _plan([f"data.seq_len={seq_len}"])
@@ -64,6 +67,43 @@ def test_auto_picks_the_fastest_preset_that_fits(seq_len, expected):
                 c.prediction.step_s <= (1 + TIE_FRACTION) * fastest and c.name != chosen.name and c.fits):
             assert not c.fits or c.prediction.peak_gib >= chosen.prediction.peak_gib, c.name
     assert {c.name for c in plan.candidates} == set(preset_fields()) and "budget" not in preset_fields()
+
+
+def test_a_preset_not_yet_run_on_a_gpu_is_listed_but_never_chosen(monkeypatch):
+    """The mechanism, with no preset in it today: one named in NOT_YET_MEASURED is predicted and not chosen."""
+    _, plan = _plan(["data.seq_len=131072"])
+    monkeypatch.setattr(auto_memory, "NOT_YET_MEASURED", (plan.choice,))
+    _, unmeasured = _plan(["data.seq_len=131072"])
+    listed = next(c for c in unmeasured.candidates if c.name == plan.choice)
+    assert listed.fits_gpu and listed.fits_host and not listed.fits and unmeasured.choice not in (None, plan.choice)
+    assert "not chosen: not run on a GPU yet" in unmeasured.table()
+
+
+def test_state_bytes_per_parameter():
+    """Measured on one H200 (1.24B parameters, ZeRO-2): fp32 master 2 + 4 + 8 + 2 (weights, master, Adam,
+    gradients); bf16 master 2 + 0 + 4 + 2, the master sharing the weights' storage at ZeRO-1/2 only."""
+    shape = ModelShape(layers=16, hidden=2048, intermediate=8192, heads=32, kv_heads=8, head_dim=64, vocab=128256)
+
+    def per_param(**run):
+        return pytest.approx(_state_bytes(shape, RunShape(seq_len=1, **run)) / shape.params())
+    assert 16 == per_param(zero_stage=2, master_weights="fp32")
+    assert 8 == per_param(zero_stage=2, master_weights="bf16")
+    assert 10 == per_param(zero_stage=2, master_weights="bf16", shared_master=False)  # rows measured before sharing
+    assert 2 + 6 / 4 == per_param(zero_stage=2, world=4, master_weights="bf16")  # ZeRO-2 keeps the weights whole
+    assert 10 / 4 == per_param(zero_stage=3, world=4, master_weights="bf16")  # ZeRO-3: no sharing, all partitioned
+    assert 16 / 4 == per_param(zero_stage=3, world=4, master_weights="fp32")
+
+
+def test_a_rows_memory_overrides_reach_the_policy_as_a_runs_do():
+    """A calibration row's memory_overrides go on top of its preset as memory.* overrides do on a real run's."""
+    row = next(r for r in load_calibration()["rows"] if r.get("memory_overrides"))
+    assert (row["memory"], row["memory_overrides"]) == ("except_attention_offload_tiled", {"offload_activations": True})
+    cfg = compose_config(LLAMA_1B + [f"memory={row['memory']}", "memory.offload_activations=true"])
+    assert calibration_case(row)[2] == Policy.of(cfg.memory)
+    assert Policy.of(cfg.memory).offload_activations and Policy.of(cfg.memory).attention_offload
+    assert calibration_case({**row, "memory_overrides": {}})[2] == Policy.of(preset_fields()[row["memory"]])
+    with pytest.raises(KeyError, match="offload_activation"):
+        calibration_case({**row, "memory_overrides": {"offload_activation": True}})
 
 
 def test_offload_presets_must_fit_the_host():

@@ -7,30 +7,32 @@ vocab, intermediate, experts) and the layout (local tokens = micro-batch x seq_l
 over the world). docs/memory.md has the model's errors against the rows.
 
 Peak GPU memory (bytes) =
-    states:      parameters x bytes per parameter (bf16 weights 2, master weights, gradients and Adam moments in
-                 fp32: 4 + 4 + 8, or in bf16 under deepspeed.master_weights=bf16: 2 + 2 + 4), sharded over the
-                 world under ZeRO (ZeRO-2 keeps the bf16 weights whole), times the calibrated `state_scale`
+    states:      parameters x bytes per parameter: bf16 weights 2, gradients 2 (the weights' dtype), and master
+                 weights + Adam moments 4 + 8 in fp32 or, under deepspeed.master_weights=bf16, 0 + 4 at ZeRO-1/2
+                 (the master partition shares the weights' storage) and 2 + 4 at ZeRO-3; sharded over the world
+                 under ZeRO (ZeRO-1/2 keep the weights whole), times the calibrated `state_scale`
   + kept:        local tokens x sum over layers of the bytes per token the policy keeps on the GPU until backward,
                  times `act_scale` (counts below)
-  + transient:   the larger of (a) one recomputed layer's activations while its backward runs (`transient_scale`
-                 x its bytes per token x local tokens; a tiled MLP contributes one tile) and (b) the loss's chunk
-                 (`loss_scale` x loss_chunk_size x vocab x 4 bytes)
+  + transient:   one recomputed layer's activations while its backward runs (`transient_scale` x its bytes per
+                 token x local tokens; a tiled MLP contributes one tile); the loss's chunk has no term of its own
   + `const_gib`.
 Bytes per token per layer, bf16, from the HF modules' saved tensors: RMSNorm 6H eager (fp32 input + bf16 output)
 or 2H fused; q/k/v projections 2(q+2kv), RoPE'd q/k 2(q+kv), attention output and o_proj input 4q (q = heads x
 head_dim, kv = kv_heads x head_dim); SwiGLU MLP 8I eager or 6I fused; an MoE block top_k x (8 I_expert + 4H) + 6E.
 `except_attention` keeps the layer input 2H and the kernel's q, k, v, out 2(2q+2kv) (+2H at cp > 1); full
-recompute keeps 2H (on the host under offload); selective drops the norms' and SwiGLU's element-wise tensors;
-a tiled MLP keeps no [tokens, intermediate] tensor; attention_offload moves except_attention's attention tensors to
-the host but for about two layers' (its copies are assumed hidden: not measured yet).
+recompute keeps 2H (on the host under offload, but for the three layers' inputs an offloaded backward holds: the
+one in use and two prefetched); selective drops the norms' and SwiGLU's element-wise tensors; a tiled MLP keeps no
+[tokens, intermediate] tensor; attention_offload moves except_attention's attention tensors to the host but for
+about two layers'.
 
 Step time (s) = dense FLOPs / dense rate + expert FLOPs / expert rate + attention FLOPs / attention rate (per
 backend) + elementwise passes x local tokens x layers x hidden x a per-kernel-mode cost + optimizer cost x
-parameters per GPU + a constant. FLOPs are 6 x active parameters x tokens plus causal attention
+parameters per GPU. FLOPs are 6 x active parameters x tokens plus causal attention
 (engine/observe/flops.py), plus what the policy recomputes: one more forward of every recomputed layer (attention
 included only where it re-runs), one more MLP forward under tiling, one more expert forward under
-moe.recompute=experts. Offload copies are assumed hidden behind compute. cp > 1 divides tokens and attention
-per GPU and adds no communication term: the calibration rows are one GPU's.
+moe.recompute=experts. Offload copies are taken as hidden behind compute (measured for attention_offload with and
+without layer-input offload at 128k and 256k on one H200). cp > 1 divides tokens and attention per GPU and adds no
+communication term: the calibration rows are one GPU's.
 
 Pure Python: no torch import, so scripts/plan.py plans an 8-GPU run on a laptop.
 """
@@ -43,6 +45,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 GIB = 2 ** 30
+OFFLOAD_WINDOW = 3  # layer inputs on the GPU during an offloaded backward: the one in use and two prefetched
 QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")
 CALIBRATION_FILE = Path(__file__).with_name("planner_calibration.json")
 
@@ -136,6 +139,9 @@ class RunShape:
     micro_batch: int = 1
     zero_stage: int = 3
     master_weights: str = "fp32"  # deepspeed.master_weights
+    # ZeRO-1/2's bf16 master partition shares the weights' storage (engine/ds/patches.share_master_weights); False
+    # only for calibration rows measured before that existed, when it was a separate copy
+    shared_master: bool = True
     attn_backend: str = "sdpa"  # sdpa | fa4 | flash_attn (auto resolved by the caller)
     kernels: str = "none"  # none (HF eager) | fused (Liger or compile)
     moe_recompute: str = "none"  # moe.recompute: none | act | experts
@@ -232,11 +238,17 @@ def _is_moe_layer(s: ModelShape) -> list[bool]:
 
 
 def _state_bytes(s: ModelShape, run: RunShape) -> float:
+    """Bytes of weights, master weights, gradients and Adam moments (bf16 weights: RunShape has no precision, and an
+    fp32 run's 4 + 0 + 4 + 8 at ZeRO-1/2 totals the same 16 as bf16 weights with an fp32 master)."""
     p = s.params()
-    states = (2 + 2 + 4) if run.master_weights == "bf16" else (4 + 4 + 8)  # master, gradients, Adam moments
+    master = 2 if run.master_weights == "bf16" else 4
+    adam = 2 * master  # two moments in the master's dtype
+    grads = 2  # DeepSpeed keeps them in the weights' dtype, fp32 master or not (measured: 2.30 GiB for 1.24B)
+    if master == 2 and run.zero_stage <= 2 and run.shared_master:
+        master = 0  # the master partition is the weights' own slice
     if run.zero_stage == 3 and run.world > 1:
-        return p * (2 + states) / run.world
-    return p * 2 + p * states / run.world
+        return p * (2 + master + adam + grads) / run.world
+    return p * 2 + p * (master + adam + grads) / run.world
 
 
 def memory_features(shape: ModelShape, run: RunShape, policy: Policy) -> dict:
@@ -246,6 +258,7 @@ def memory_features(shape: ModelShape, run: RunShape, policy: Policy) -> dict:
     moe_layer = _is_moe_layer(s)
     selective_everywhere = policy.recompute == "selective" or policy.selective_kept
     kept = host = transient = attention_on_gpu = 0.0
+    inputs_offloaded = 0
     for i in range(s.layers):
         if whole[i] or policy.recompute == "except_attention":
             attention_kept = 0.0 if whole[i] else 2 * (2 * s.q + 2 * s.kv) + (2 * s.hidden if run.cp > 1 else 0)
@@ -255,6 +268,7 @@ def memory_features(shape: ModelShape, run: RunShape, policy: Policy) -> dict:
                 attention_kept = 0.0
             if policy.offload_activations:  # the layer input travels; attention's tensors bypass offload
                 host += 2 * s.hidden
+                inputs_offloaded += 1
                 kept += attention_kept
             else:
                 kept += 2 * s.hidden + attention_kept
@@ -266,6 +280,8 @@ def memory_features(shape: ModelShape, run: RunShape, policy: Policy) -> dict:
             else:
                 kept += layer
     kept += 2 * attention_on_gpu  # attention_offload: the layer being copied out and the one coming back
+    # offload's backward holds the input being recomputed and the two it prefetches (offload.py, prefetch=2)
+    kept += min(OFFLOAD_WINDOW, inputs_offloaded) * 2 * s.hidden
     host_gib = host * T / GIB
     kept_gib = kept * T / GIB
     if policy.offload_activations and policy.offload_max_gib > 0 and host_gib > policy.offload_max_gib:
