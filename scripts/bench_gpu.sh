@@ -31,6 +31,12 @@
 #                recompute none / experts / experts + offload) and the anchor, HF's grouped_mm block (moe_bench.py)
 #   kernels_short  Llama-3.2-1B shape at $SHORT_POINTS (default 16k and 32k, full_recompute, bf16 master weights): ours
 #                with each model.kernels of $KERNELS (default "liger none"), then HF + Liger ($SHORT_ANCHORS)
+#   loss_head    the loss head alone at 16k and 32k tokens, Llama-3's vocabulary, bf16 forward + backward: ours against
+#                Liger-Kernel's fused linear cross-entropy (bf16 and fp32 weight-gradient accumulation), with each one's
+#                weight-gradient error against fp32 (scripts/bench_loss.py); $OUT/loss_head.jsonl
+#   track_loss   $TRACK_STEPS (default 20) bf16 steps of the Llama-3.2-1B shape at $TRACK_POINT (default 8192:full_recompute)
+#                with model.kernels=liger and =none, the same data and seed: the per-step loss of the fused run against
+#                the eager one (max and last absolute difference); each run's metrics as $OUT/track_loss_<kernels>.jsonl
 #   moe_short    the 4-layer Qwen3-30B-A3B shape at $MOE_POINTS (default 16384:none): ours with each of $KERNELS, then
 #                HF + Liger (moe_model_bench.py --liger) at $MOE_HF_SEQS
 #   moe_train    training steps of the 4-layer Qwen3-30B-A3B shape: ours ($MOE_POINTS, S:memory, bf16 master weights,
@@ -117,6 +123,17 @@ for part in ${*:-attn train_short train_long}; do
                        --steps 4 deepspeed.master_weights=bf16 model.kernels=$k ${EXTRA:-}; done
                    python3 scripts/bench_train.py --points ${SHORT_POINTS:-16384:full_recompute,32768:full_recompute} \
                      --steps 4 --anchors ${SHORT_ANCHORS:-hf+liger} --order anchors-first --no-ours ;;
+    loss_head) python3 scripts/bench_loss.py --tokens ${LOSS_TOKENS:-16384,32768} | tee -a "$OUT/loss_head.jsonl" ;;
+    track_loss) tp=${TRACK_POINT:-8192:full_recompute}
+                for k in liger none; do
+                  python3 scripts/bench_train.py --points $tp --steps ${TRACK_STEPS:-20} deepspeed.master_weights=bf16 \
+                    model.kernels=$k | grep RESULT | cut -c1-300
+                  cp "$OUT/ours_llama3_2_1b_${tp%%:*}_${tp##*:}_cp1/metrics.jsonl" "$OUT/track_loss_$k.jsonl"; done
+                python3 -c "import json, sys
+a, b = ([r['loss'] for r in map(json.loads, open(f)) if 'loss' in r] for f in sys.argv[1:])
+d = [abs(x - y) for x, y in zip(a, b)]
+print(f'track_loss: {len(d)} steps, max |loss(liger) - loss(none)| {max(d):.3e} (step {d.index(max(d)) + 1}), '
+      f'last {d[-1]:.3e}, last losses {a[-1]:.5f} / {b[-1]:.5f}')" "$OUT/track_loss_liger.jsonl" "$OUT/track_loss_none.jsonl" ;;
     moe_short) for k in ${KERNELS:-liger none}; do
                  python3 scripts/bench_train.py --model qwen3_30b_a3b_4l --points ${MOE_POINTS:-16384:none} --steps 4 \
                    deepspeed.master_weights=bf16 moe.dispatcher=alltoall model.kernels=$k ${MOE_EXTRA:-}; done
