@@ -158,3 +158,32 @@ def test_liger_asked_for_without_liger_is_refused_on_cuda(monkeypatch):
         providers.provider_for("liger", torch.device("cuda"))
     assert providers.provider_for("none", torch.device("cuda")) is None
     assert providers.provider_for("liger", torch.device("cpu")) is None
+
+
+def test_bound_ops_compose_with_the_memory_policies_and_context_parallel():
+    """The policies wrap whatever forward a module has: the bound RoPE's attention under except_attention (replayed,
+    its tensors on the 'host'), the bound SwiGLU under the tiled MLP; fp32, against the same model unbound."""
+    from ds_ulysses_ext import CPCausalLM, enable_context_parallel, init_topology, shard_batch
+    from ds_ulysses_ext.memory import ExceptAttentionRecompute, TiledMLP
+    from tiny_models import tiny_model
+    topo = init_topology(1)
+    ids = torch.randint(0, 96, (2, 13), generator=torch.Generator().manual_seed(3))
+    local = shard_batch({"input_ids": ids, "labels": ids.clone()}, topo)
+
+    def step(bind):
+        torch.manual_seed(0)
+        hf = enable_context_parallel(tiny_model("llama", num_hidden_layers=2), topo, backend="sdpa")
+        report = apply_fused_kernels(hf, "auto", torch.device("cpu"), provider=Provider()) if bind else None
+        policies = [ExceptAttentionRecompute(offload=True).apply(hf), TiledMLP(4).apply(hf)] if bind else []
+        lm = CPCausalLM(hf, loss_chunk_size=5)
+        loss_sum, count = lm(**local)
+        (loss_sum / count).backward()
+        for p in policies:
+            p.remove()
+        return report, loss_sum.detach(), {n: p.grad for n, p in lm.named_parameters()}
+    _, ref_loss, ref_grads = step(False)
+    report, loss, grads = step(True)
+    assert (report.norms, report.mlps, report.ropes) == (5, 2, 2)
+    assert torch.allclose(loss, ref_loss, rtol=1e-5, atol=0)
+    for name, g in grads.items():
+        assert ((g - ref_grads[name]).norm() / ref_grads[name].norm()).item() < 1e-5, name
