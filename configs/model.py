@@ -35,7 +35,7 @@ class ModelConfig:
     # ep before anything is downloaded. Keys left out are checked later, at model load.
     arch: Dict[str, Any] = field(default_factory=dict)
     attn_backend: str = "auto"  # local attention kernel after the all-to-all: auto | sdpa | flash_attn | fa4
-    # per-token kernels (RMSNorm, SwiGLU) on CUDA: auto (Liger if installed, else torch.compile) | liger | compile |
+    # per-token kernels (RMSNorm, SwiGLU, RoPE) on CUDA: auto (Liger if installed, else torch.compile) | liger | compile |
     # none (HF's eager modules; what CPU always runs). Each is checked at first use (ds_ulysses_ext/kernels)
     kernels: str = "auto"
 
