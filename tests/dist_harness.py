@@ -12,6 +12,7 @@ that message is started again once, with a note on stderr. Every other failure f
 """
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import tempfile
@@ -54,6 +55,7 @@ _PREIMPORT = ("deepspeed.runtime.engine", "deepspeed.runtime.zero.stage3", "deep
                                                                   "gpt_oss", "deepseek_v3", "glm4_moe", "glm4_moe_lite")))
 
 
+@functools.lru_cache(maxsize=None)  # once per test process
 def _preimport() -> None:
     import importlib
     import matplotlib

@@ -108,14 +108,9 @@ def _llama_rope_caller(m) -> bool:
     code = getattr(fn, "__code__", None)
     if code is None or "forward" in m.__dict__ or "apply_rotary_pos_emb" not in code.co_names:
         return False
-    rope = fn.__globals__.get("apply_rotary_pos_emb")
-    half = fn.__globals__.get("rotate_half")
-    return _same_code(rope, _llama_functions()[0]) and _same_code(half, _llama_functions()[1])
-
-
-def _llama_functions():
     from transformers.models.llama import modeling_llama
-    return modeling_llama.apply_rotary_pos_emb, modeling_llama.rotate_half
+    return (_same_code(fn.__globals__.get("apply_rotary_pos_emb"), modeling_llama.apply_rotary_pos_emb)
+            and _same_code(fn.__globals__.get("rotate_half"), modeling_llama.rotate_half))
 
 
 def _same_code(f, g) -> bool:

@@ -138,16 +138,16 @@ def _check_rope(provider, device, dtype, D, Hq, Hkv) -> None:
 
 def _compare(op: str, provider, tensors, args, device, width: int, dtype, grads: int = None) -> None:
     """The provider's `op` against the reference's, forward and backward, in fp32 on `tensors` (+ plain `args`)."""
+    n_grads = grads or len(tensors)  # the first n_grads tensors are differentiated
     with isolated():
         res = []
         for fn in (getattr(provider, op), getattr(reference, op)):
-            leaves = [t.clone().requires_grad_(i < (grads or len(tensors))) for i, t in enumerate(tensors)]
+            leaves = [t.clone().requires_grad_(i < n_grads) for i, t in enumerate(tensors)]
             outs = fn(*leaves, *args)
             outs = outs if isinstance(outs, tuple) else (outs,)
             torch.autograd.backward(outs, [torch.ones_like(o) + o.detach() for o in outs])
             res.append([o.detach() for o in outs] + [t.grad for t in leaves if t.requires_grad])
-    names = [f"output {i}" for i in range(len(res[0]) - (grads or len(tensors)))]
-    names += [f"input {i}'s gradient" for i in range(grads or len(tensors))]
+    names = [f"output {i}" for i in range(len(res[0]) - n_grads)] + [f"input {i}'s gradient" for i in range(n_grads)]
     bad = first_disagreement(zip(names, *res), TOLERANCE)
     if bad is not None:
         raise RuntimeError(f"fused {op} ({provider.name}) disagrees with the eager reference ({bad[0]}: relative error "
