@@ -180,14 +180,21 @@ def fusable(lm_head: torch.nn.Module) -> bool:
 
 
 def linear_cross_entropy_sum(weight_VH: torch.Tensor, hidden_BsH: torch.Tensor, labels_Bs: torch.Tensor,
-                             chunk_size: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
-    """As chunked_lm_loss_sum for a bias-free linear head given by its weight, without recompute."""
+                             chunk_size: int = 4096, kernel=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """As chunked_lm_loss_sum for a bias-free linear head given by its weight, without recompute.
+
+    kernel: a fused head, (hidden [T, H], weight [V, H], labels [T]) -> fp32 sum, that computes its gradients in
+    forward as this one does (ds_ulysses_ext.kernels: Liger's under model.kernels=liger); None runs the torch path.
+    """
     hidden_TH, labels_T = _tokens(hidden_BsH, labels_Bs, chunk_size)
     if not torch.is_grad_enabled():
         # evaluation: ctx.needs_input_grad follows requires_grad, not the grad mode, so the forward would
         # still build both gradients; detached inputs make it compute the loss alone
         hidden_TH, weight_VH = hidden_TH.detach(), weight_VH.detach()
-    total = _LinearCrossEntropySum.apply(hidden_TH, weight_VH, labels_T, chunk_size)
+    if kernel is not None:
+        total = kernel(hidden_TH, weight_VH, labels_T)
+    else:
+        total = _LinearCrossEntropySum.apply(hidden_TH, weight_VH, labels_T, chunk_size)
     return total, (labels_T != IGNORE_INDEX).sum()
 
 

@@ -34,9 +34,11 @@
 #   loss_head    the loss head alone at 16k and 32k tokens, Llama-3's vocabulary, bf16 forward + backward: ours against
 #                Liger-Kernel's fused linear cross-entropy (bf16 and fp32 weight-gradient accumulation), with each one's
 #                weight-gradient error against fp32 (scripts/bench_loss.py); $OUT/loss_head.jsonl
-#   track_loss   $TRACK_STEPS (default 20) bf16 steps of the Llama-3.2-1B shape at $TRACK_POINT (default 8192:full_recompute)
-#                with model.kernels=liger and =none, the same data and seed: the per-step loss of the fused run against
-#                the eager one (max and last absolute difference); each run's metrics as $OUT/track_loss_<kernels>.jsonl
+#   track_loss   $TRACK_STEPS (default 50) bf16 steps of the Llama-3.2-1B shape at $TRACK_POINT (default 8192:full_recompute)
+#                with model.kernels=liger and =none, the same data and seed, $TRACK_ARGS (default trainer.lr=1e-4: at
+#                the default 1e-3 this random-init model's bf16 loss climbs, and any rounding difference grows), and a
+#                control (eager, loss chunks of 1024: rounding only): the per-step loss of the fused run and of the
+#                control against the eager one (max, mean, last absolute difference); $OUT/track_loss_<run>.jsonl
 #   moe_short    the 4-layer Qwen3-30B-A3B shape at $MOE_POINTS (default 16384:none): ours with each of $KERNELS, then
 #                HF + Liger (moe_model_bench.py --liger) at $MOE_HF_SEQS
 #   moe_train    training steps of the 4-layer Qwen3-30B-A3B shape: ours ($MOE_POINTS, S:memory, bf16 master weights,
@@ -47,6 +49,8 @@
 #                $MLA_EXTRA) and stock HF on the same preset (scripts/hf_moe_bench.py: SDPA, grouped_mm experts, HF
 #                gradient checkpointing, fused AdamW on bf16 parameters) at $MLA_HF_SEQS (default 32768,131072: 128k
 #                is expected to run out of memory, reported as status oom); HF's lines also in $OUT/mla_train_hf.jsonl
+#   mla_liger    HF + Liger-Kernel on $MLA_MODEL (default deepseek_v3_2l) at $MLA_HF_SEQS (scripts/hf_moe_bench.py --liger: the family's Liger patch
+#                function; Liger 0.8.5 has DeepSeek-V3's, not GLM-4-MoE-Lite's); $OUT/mla_train_hf_liger.jsonl
 #   train_1m_4l  the same 1M-token step with 4 of the 16 layers: GPU memory is set by one layer's working set
 #                plus offloaded inputs (host), so this shows whether 1M fits; time scales ~linearly with layers
 #   attn_features  attention features at 128k, bf16 Hq32/Hkv8 D64, fwd+bwd, against one full causal SDPA (cuDNN) call
@@ -125,15 +129,20 @@ for part in ${*:-attn train_short train_long}; do
                      --steps 4 --anchors ${SHORT_ANCHORS:-hf+liger} --order anchors-first --no-ours ;;
     loss_head) python3 scripts/bench_loss.py --tokens ${LOSS_TOKENS:-16384,32768} | tee -a "$OUT/loss_head.jsonl" ;;
     track_loss) tp=${TRACK_POINT:-8192:full_recompute}
-                for k in liger none; do
-                  python3 scripts/bench_train.py --points $tp --steps ${TRACK_STEPS:-20} deepspeed.master_weights=bf16 \
-                    model.kernels=$k | grep RESULT | cut -c1-300
+                for k in liger none control; do
+                  # control: eager again, its loss head in chunks of 1024 instead of 2048: a change of bf16 rounding
+                  # only, the noise floor the fused run's difference is read against
+                  if [ $k = control ]; then kk="model.kernels=none trainer.loss_chunk_size=1024"; else kk="model.kernels=$k"; fi
+                  python3 scripts/bench_train.py --points $tp --steps ${TRACK_STEPS:-50} deepspeed.master_weights=bf16 \
+                    ${TRACK_ARGS-trainer.lr=1e-4} $kk | grep RESULT | cut -c1-300
                   cp "$OUT/ours_llama3_2_1b_${tp%%:*}_${tp##*:}_cp1/metrics.jsonl" "$OUT/track_loss_$k.jsonl"; done
                 python3 -c "import json, sys
-a, b = ([r['loss'] for r in map(json.loads, open(f)) if 'loss' in r] for f in sys.argv[1:])
-d = [abs(x - y) for x, y in zip(a, b)]
-print(f'track_loss: {len(d)} steps, max |loss(liger) - loss(none)| {max(d):.3e} (step {d.index(max(d)) + 1}), '
-      f'last {d[-1]:.3e}, last losses {a[-1]:.5f} / {b[-1]:.5f}')" "$OUT/track_loss_liger.jsonl" "$OUT/track_loss_none.jsonl" ;;
+ref, *runs = ([r['loss'] for r in map(json.loads, open(f)) if 'loss' in r] for f in sys.argv[1:])
+for name, a in zip(('liger', 'control'), runs):
+    d = [abs(x - y) for x, y in zip(a, ref)]
+    print(f'track_loss {name} vs none: {len(d)} steps, max |dloss| {max(d):.3e} (step {d.index(max(d)) + 1}), '
+          f'mean {sum(d) / len(d):.3e}, last {d[-1]:.3e}; losses first {ref[0]:.5f} last {a[-1]:.5f} / {ref[-1]:.5f}')" \
+                  "$OUT/track_loss_none.jsonl" "$OUT/track_loss_liger.jsonl" "$OUT/track_loss_control.jsonl" ;;
     moe_short) for k in ${KERNELS:-liger none}; do
                  python3 scripts/bench_train.py --model qwen3_30b_a3b_4l --points ${MOE_POINTS:-16384:none} --steps 4 \
                    deepspeed.master_weights=bf16 moe.dispatcher=alltoall model.kernels=$k ${MOE_EXTRA:-}; done
@@ -147,6 +156,8 @@ print(f'track_loss: {len(d)} steps, max |loss(liger) - loss(none)| {max(d):.3e} 
                  moe.dispatcher=alltoall ${MLA_EXTRA:-}
                PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 scripts/hf_moe_bench.py \
                  --model ${MLA_MODEL:-glm4_moe_lite_4l} --seqs ${MLA_HF_SEQS:-32768,131072} | tee -a "$OUT/mla_train_hf.jsonl" ;;
+    mla_liger) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 scripts/hf_moe_bench.py --liger \
+                 --model ${MLA_MODEL:-deepseek_v3_2l} --seqs ${MLA_HF_SEQS:-32768} | tee -a "$OUT/mla_train_hf_liger.jsonl" ;;
     train_1m) python3 scripts/bench_train.py --points 1048576:long_context --steps 1 --timeout 580 ;;
     train_1m_4l) python3 scripts/bench_train.py --points 1048576:long_context --steps 1 --timeout 580 \
                    model.arch.num_hidden_layers=4 ;;

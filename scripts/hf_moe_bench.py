@@ -14,7 +14,9 @@ For each S of --seqs: --warmup steps, then --reps timed steps (median). One `RES
 tokens_per_s, model_tflops (engine/observe/flops.py's formula, 6 x active parameters x tokens + causal attention,
 recompute not counted, the same as our runs' column), peak_alloc_gib / peak_reserved_gib (CUDA), loss; an S that
 runs out of memory gives status "oom" and the next S still runs. --overrides: Hydra overrides of the preset
-(e.g. model.arch.num_hidden_layers=2).
+(e.g. model.arch.num_hidden_layers=2). --liger: HF + Liger-Kernel, what such users run: Liger's own patch function
+for the family (RMSNorm, SwiGLU MLPs and experts, fused linear cross-entropy; RoPE where Liger has one for the
+family), applied to HF's classes before the build as Liger's users do; a family Liger has no function for is refused.
 """
 import argparse
 import gc
@@ -71,6 +73,22 @@ def build(hf_config, device, dtype, experts):
     return model
 
 
+def apply_liger(family: str):
+    """Liger-Kernel's patch function for `family` (its MODEL_TYPE_TO_APPLY_LIGER_FN), called with its defaults plus
+    RoPE, before the model is built: the anchor a Liger user would run. Patching HF's classes process-wide is
+    fine here: this process builds one anchor model and nothing else."""
+    import inspect
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+    fn = MODEL_TYPE_TO_APPLY_LIGER_FN.get(family)
+    if fn is None:
+        raise SystemExit(f"--liger: Liger-Kernel has no patch function for model_type {family!r}")
+    # DeepSeek-V3's interleaved RoPE has no Liger kernel: its function warns and skips rope=True; pass it only where
+    # the function does not document it as unsupported
+    rope = "rope" in inspect.signature(fn).parameters and "not supported" not in (fn.__doc__ or "")
+    fn(**({"rope": True} if rope else {}))
+    return fn.__name__ + ("(rope=True)" if rope else "()")
+
+
 def make_optimizer(model):
     try:
         return torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
@@ -118,14 +136,16 @@ def main(argv=None):
     ap.add_argument("--experts", default="auto", help="HF experts implementation: auto (grouped_mm on CUDA, eager "
                     "elsewhere), grouped_mm, batched_mm, eager")
     ap.add_argument("--overrides", nargs="*", default=[], help="Hydra overrides of the preset")
+    ap.add_argument("--liger", action="store_true", help="HF + Liger-Kernel: the family's Liger patch function")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     experts = args.experts if args.experts != "auto" else ("grouped_mm" if device.type == "cuda" else "eager")
     import transformers
     model_cfg, hf_config = hf_config_of_preset(args.model, args.overrides)
+    liger = apply_liger(hf_config.model_type) if args.liger else None
     model = build(hf_config, device, DTYPES[args.dtype], experts)
     opt = make_optimizer(model)
-    base = dict(bench="hf_moe_step", model=args.model, family=model_cfg.family,
+    base = dict(bench="hf_moe_step" + ("+liger" if liger else ""), liger=liger, model=args.model, family=model_cfg.family,
                 layers=hf_config.num_hidden_layers, dtype=args.dtype, experts=experts, attn="sdpa",
                 device=str(device), n_params=sum(p.numel() for p in model.parameters()),
                 n_active=active_params(model, hf_config), transformers=transformers.__version__,

@@ -460,16 +460,28 @@ def test_attention_offload_on_cuda_matches_and_lowers_the_peak():
     assert peak_on < peak_off - 0.5 * (layers - 2) * per_layer, (peak_on / 2**20, peak_off / 2**20, per_layer / 2**20)
 
 
-def test_fused_loss_head_in_bf16_against_hf_formula():
-    """ds_ulysses_ext.loss on CUDA: the log-softmax reads the bf16 logits (dtype=fp32) and the weight gradient is
-    added into its fp32 buffer by cuBLAS (the fast path must be the one running here), at Llama-3's vocabulary and
-    the auto chunk; against HF's cross_entropy(logits.float()) on the same bf16 tensors."""
+@pytest.mark.parametrize("head", ["torch", "liger"])
+def test_fused_loss_head_in_bf16_against_hf_formula(head):
+    """The loss head on CUDA, at Llama-3's vocabulary, against HF's cross_entropy(logits.float()) on the same bf16
+    tensors. torch: ds_ulysses_ext.loss, whose log-softmax reads the bf16 logits (dtype=fp32) and whose weight
+    gradient is added into its fp32 buffer by cuBLAS (the fast path must be the one running here), at the auto
+    chunk. liger: the head model.kernels=liger runs (Liger's fused linear cross-entropy, fp32 accumulation),
+    through its first-use check."""
     import torch.nn.functional as F
 
     from ds_ulysses_ext.batch import IGNORE_INDEX
+    from ds_ulysses_ext.kernels import providers
     from ds_ulysses_ext.loss import _fp32_epilogue_works, chunk_tokens, linear_cross_entropy_sum
     dev = torch.device("cuda", torch.cuda.current_device())
-    assert _fp32_epilogue_works(dev, torch.bfloat16), "see the log line that says why"
+    kernel = None
+    if head == "torch":
+        assert _fp32_epilogue_works(dev, torch.bfloat16), "see the log line that says why"
+    elif not providers.liger_available():
+        pytest.skip("Liger-Kernel is not installed")
+    else:
+        provider = providers.provider_for("liger", dev)
+        assert provider.fused_head
+        kernel = provider.linear_cross_entropy_sum
     gen = torch.Generator(device="cuda").manual_seed(0)
     V, H, T = 128256, 2048, 6000
     weight = (torch.randn(V, H, device="cuda", generator=gen) * 0.02).bfloat16().requires_grad_()
@@ -479,7 +491,7 @@ def test_fused_loss_head_in_bf16_against_hf_formula():
     ref = F.cross_entropy((hidden @ weight.t()).float().reshape(-1, V), labels.reshape(-1), ignore_index=IGNORE_INDEX,
                           reduction="sum")
     ref_grads = torch.autograd.grad(ref / 5500, [hidden, weight])
-    got, count = linear_cross_entropy_sum(weight, hidden, labels, chunk_size=chunk_tokens(0, V))
+    got, count = linear_cross_entropy_sum(weight, hidden, labels, chunk_size=chunk_tokens(0, V), kernel=kernel)
     grads = torch.autograd.grad(got / 5500, [hidden, weight])
     assert count.item() == 5500
     assert _rel(got, ref) < 1e-5, _rel(got, ref)

@@ -138,6 +138,14 @@ class _Swapped(Provider):
         return super().rope(q, k, sin, cos)
 
 
+class _HeadOffByOne(Provider):
+    name = "broken"
+    fused_head = True
+
+    def linear_cross_entropy_sum(self, hidden, weight, labels):
+        return super().linear_cross_entropy_sum(hidden, weight, torch.where(labels < 0, labels, (labels + 1) % 1000))
+
+
 def test_first_use_check_stops_a_wrong_kernel():
     x, w = torch.randn(3, 16), torch.randn(16)
     with pytest.raises(RuntimeError, match="model.kernels=none"):
@@ -147,6 +155,9 @@ def test_first_use_check_stops_a_wrong_kernel():
     q, k, cs = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 5, 8)
     with pytest.raises(RuntimeError, match="model.kernels=none"):
         Checked(_Swapped()).rope(q, k, cs, cs + 1)
+    h, wv, y = torch.randn(6, 16), torch.randn(1000, 16), torch.randint(0, 1000, (6,))
+    with pytest.raises(RuntimeError, match="model.kernels=none"):
+        Checked(_HeadOffByOne()).linear_cross_entropy_sum(h, wv, y)
     out = Checked(Provider()).rms_norm(x, w, 1e-6, False)  # the reference passes its own check
     assert torch.equal(out, Provider().rms_norm(x, w, 1e-6, False))
 
@@ -185,5 +196,45 @@ def test_bound_ops_compose_with_the_memory_policies_and_context_parallel():
     report, loss, grads = step(True)
     assert (report.norms, report.mlps, report.ropes) == (5, 2, 2)
     assert torch.allclose(loss, ref_loss, rtol=1e-5, atol=0)
+    for name, g in grads.items():
+        assert ((g - ref_grads[name]).norm() / ref_grads[name].norm()).item() < 1e-5, name
+
+
+class _CountingHead(Provider):
+    """The reference head as a fused provider's would be used (it materialises [T, V]: fine at these sizes)."""
+    fused_head = True
+    calls = 0
+
+    def linear_cross_entropy_sum(self, hidden, weight, labels):
+        _CountingHead.calls += 1
+        return super().linear_cross_entropy_sum(hidden, weight, labels)
+
+
+def test_a_providers_loss_head_replaces_the_torch_head_and_agrees():
+    """A provider with a fused head (Liger's on CUDA) is what CPCausalLM's head runs; fp32, against loss.py's chunked
+    head on the same model: loss and every gradient (lm_head's included), relative 1e-5; masked labels too."""
+    from ds_ulysses_ext import CPCausalLM, init_topology, shard_batch
+    from tiny_models import tiny_model
+    topo = init_topology(1)
+    ids = torch.randint(0, 96, (2, 13), generator=torch.Generator().manual_seed(4))
+    labels = ids.clone()
+    labels[0, :5] = -100
+    local = shard_batch({"input_ids": ids, "labels": labels}, topo)
+
+    def step(bind):
+        torch.manual_seed(0)
+        hf = tiny_model("llama", num_hidden_layers=2)
+        report = apply_fused_kernels(hf, "auto", torch.device("cpu"), provider=Checked(_CountingHead()) if bind else None)
+        lm = CPCausalLM(hf, loss_chunk_size=5, head_kernel=report.head)
+        loss_sum, count = lm(**local)
+        (loss_sum / count).backward()
+        return report, loss_sum.detach(), {n: p.grad for n, p in lm.named_parameters()}
+    ref_report, ref_loss, ref_grads = step(False)
+    report, loss, grads = step(True)
+    # twice: its first-use check, then the step
+    assert ref_report.head is None and report.head is not None and _CountingHead.calls == 2
+    assert "and the loss head" in str(report)
+    assert torch.allclose(loss, ref_loss, rtol=1e-5, atol=0)
+    assert "hf.lm_head.weight" in grads
     for name, g in grads.items():
         assert ((g - ref_grads[name]).norm() / ref_grads[name].norm()).item() < 1e-5, name

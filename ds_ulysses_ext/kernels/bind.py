@@ -39,13 +39,17 @@ class KernelReport:
     mlps: int = 0
     ropes: int = 0
     skipped_mlps: list = field(default_factory=list)  # class names of MLPs left eager (not SiLU-gated)
+    # the provider's fused loss head, (hidden [T, H], weight [V, H], labels [T]) -> fp32 sum, for CPCausalLM's
+    # HeadLoss to run in place of loss.py's chunked one; None: loss.py's
+    head: object = field(default=None, repr=False)
 
     def __str__(self) -> str:
         if self.provider == "none":
             return "per-token kernels: eager (HF's modules)"
         skipped = f"; left eager: {sorted(set(self.skipped_mlps))}" if self.skipped_mlps else ""
+        head = ", and the loss head" if self.head is not None else ""
         return (f"per-token kernels: {self.provider} for {self.norms} RMSNorms, {self.mlps} SwiGLU MLPs and "
-                f"{self.ropes} RoPEs{skipped}")
+                f"{self.ropes} RoPEs{head}{skipped}")
 
 
 def apply_fused_kernels(model: torch.nn.Module, mode: str, device: torch.device, provider=None) -> KernelReport:
@@ -55,6 +59,8 @@ def apply_fused_kernels(model: torch.nn.Module, mode: str, device: torch.device,
     if provider is None:
         return report
     report.provider = provider.name
+    if provider.fused_head:
+        report.head = provider.linear_cross_entropy_sum
     for module in model.modules():
         if _is_rms_norm(module):
             _bind_norm(module, provider)

@@ -1,7 +1,8 @@
 """Who computes the fused ops: Liger-Kernel, torch.compile, or the eager reference; and the first-use check.
 
 Shapes: x [..., H], weight [H] -> [..., H]; gate, up [..., I] -> [..., I]; q [B, Hq, s, D], k [B, Hkv, s, D],
-cos, sin [B, s, D] -> q, k rotated.
+cos, sin [B, s, D] -> q, k rotated; the loss head: hidden [T, H], weight [V, H], labels [T] -> fp32 sum of token
+cross-entropies.
 
 Liger is imported lazily (a GPU extra). Its RMSNorm casting modes are the two HF orders of reference.rms_norm:
 "llama" casts before the weight, "gemma" (offset 0) scales in fp32. The first call of each (op, dtype, width)
@@ -17,6 +18,7 @@ import logging
 import torch
 
 from ..attention.kernel_check import first_disagreement, isolated
+from ..batch import IGNORE_INDEX
 from ..errors import UnsupportedError
 from . import reference
 
@@ -28,6 +30,9 @@ TOLERANCE = 1e-4  # fp32 inputs: a fused kernel differs from the reference by ro
 
 class Provider:
     name = "reference"
+    # whether linear_cross_entropy_sum replaces loss.py's chunked head (ds_ulysses_ext/lm.py HeadLoss); the
+    # reference's materialises [T, V] and is only the check's yardstick
+    fused_head = False
 
     def rms_norm(self, x, weight, eps, weight_in_fp32):
         return reference.rms_norm(x, weight, eps, weight_in_fp32)
@@ -38,15 +43,25 @@ class Provider:
     def rope(self, q, k, cos, sin):
         return reference.rope(q, k, cos, sin)
 
+    def linear_cross_entropy_sum(self, hidden, weight, labels):
+        return reference.linear_cross_entropy_sum(hidden, weight, labels)
+
 
 class LigerProvider(Provider):
     name = "liger"
+    # Liger's fused linear cross-entropy: one Triton kernel per chunk computes the loss and writes the logits'
+    # gradient over the 16-bit logits in place, where loss.py's torch path makes fp32 passes over [C, V]. Measured
+    # on an H200 (docs/benchmarks.md, loss head): 16k tokens x 128k vocabulary 54 ms and 1.5 GiB against 62 ms and
+    # 3.5 GiB, the same weight-gradient error
+    fused_head = True
 
     def __init__(self):
+        from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
         from liger_kernel.ops.rms_norm import LigerRMSNormFunction
         from liger_kernel.ops.rope import LigerRopeFunction
         from liger_kernel.ops.swiglu import LigerSiLUMulFunction
         self._norm, self._silu_mul, self._rope = LigerRMSNormFunction, LigerSiLUMulFunction, LigerRopeFunction
+        self._flce = LigerFusedLinearCrossEntropyFunction
 
     def rms_norm(self, x, weight, eps, weight_in_fp32):
         # in_place=False: the input is the residual stream, which the decoder still adds to
@@ -57,6 +72,15 @@ class LigerProvider(Provider):
 
     def rope(self, q, k, cos, sin):
         return self._rope.apply(q, k, cos, sin)  # position_ids None, unsqueeze_dim 1: reference.rope's form
+
+    def linear_cross_entropy_sum(self, hidden, weight, labels):
+        # (input, weight, target, bias, ce_weight, ignore_index, lse_square_scale, label_smoothing, reduction,
+        # softcap, return_z_loss, accum_dtype): the weight gradient summed over chunks in fp32 (accum_dtype), as
+        # loss.py's is; Liger's default sums it in bf16, with twice the error (bench_loss.py). The first output is
+        # the loss. Liger rounds that gradient to the weight dtype in forward and scales it in backward (loss.py
+        # scales in fp32, then rounds): at most one more bf16 rounding of the lm_head gradient
+        return self._flce.apply(hidden, weight, labels, None, None, IGNORE_INDEX, 0.0, 0.0, "sum", None, False,
+                                torch.float32)[0]
 
 
 class CompileProvider(Provider):
@@ -97,7 +121,7 @@ class Checked(Provider):
     """A provider whose every (op, dtype, width) is checked once against the reference before it is used."""
 
     def __init__(self, inner: Provider):
-        self.inner, self.name = inner, inner.name
+        self.inner, self.name, self.fused_head = inner, inner.name, inner.fused_head
 
     def rms_norm(self, x, weight, eps, weight_in_fp32):
         _check_norm(self.inner, x.device, x.dtype, x.shape[-1], weight.dtype, eps, weight_in_fp32)
@@ -110,6 +134,10 @@ class Checked(Provider):
     def rope(self, q, k, cos, sin):
         _check_rope(self.inner, q.device, q.dtype, q.shape[-1], q.shape[1], k.shape[1])
         return self.inner.rope(q, k, cos, sin)
+
+    def linear_cross_entropy_sum(self, hidden, weight, labels):
+        _check_head(self.inner, hidden.device, hidden.dtype, hidden.shape[-1])
+        return self.inner.linear_cross_entropy_sum(hidden, weight, labels)
 
 
 @functools.lru_cache(maxsize=None)
@@ -134,6 +162,16 @@ def _check_rope(provider, device, dtype, D, Hq, Hkv) -> None:
     angle = torch.arange(8, device=device)[:, None] * torch.rand(D // 2, device=device, generator=gen)
     emb = torch.cat((angle, angle), dim=-1).expand(2, 8, D)
     _compare("rope", provider, (q, k, emb.cos(), emb.sin()), (), device, D, dtype, grads=2)
+
+
+@functools.lru_cache(maxsize=None)
+def _check_head(provider, device, dtype, H) -> None:
+    # a vocabulary that is no power of two, some tokens ignored: the kernel's tails and its ignore_index
+    gen = torch.Generator(device=device).manual_seed(0)
+    hidden, weight = torch.randn(96, H, device=device, generator=gen), torch.randn(1000, H, device=device, generator=gen)
+    labels = torch.randint(0, 1000, (96,), device=device, generator=gen)
+    labels[::7] = IGNORE_INDEX
+    _compare("linear_cross_entropy_sum", provider, (hidden, weight / H ** 0.5, labels), (), device, H, dtype, grads=2)
 
 
 def _compare(op: str, provider, tensors, args, device, width: int, dtype, grads: int = None) -> None:

@@ -2,7 +2,7 @@
 and the functions `compile` mode compiles.
 
 Shapes: x [..., H], weight [H] -> [..., H]; gate, up [..., I] -> [..., I]; q [B, Hq, s, D], k [B, Hkv, s, D],
-cos, sin [B, s, D] -> q, k rotated.
+cos, sin [B, s, D] -> q, k rotated. Loss head: hidden [T, H], weight [V, H], labels [T] -> fp32 scalar.
 """
 from __future__ import annotations
 
@@ -35,3 +35,9 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
     fused one."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
+
+
+def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """HF's loss head, summed over tokens: logits in the weight dtype, cross-entropy in fp32, label -100 ignored.
+    Materialises [T, V]: the first-use check's reference on a small case, not a training path."""
+    return F.cross_entropy((hidden @ weight.t()).float(), labels, ignore_index=-100, reduction="sum")
