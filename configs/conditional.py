@@ -101,7 +101,7 @@ UNCONDITIONAL = (
     "memory.recompute", "memory.offload_activations", "memory.tiled_mlp", "memory.auto",
     "memory.expandable_segments",  # the CUDA allocator's; a CPU run has none to configure, and nothing changes
     "logging.wandb.mode", "logging.progress_bar", "logging.log_every", "logging.phase_times", "logging.profile_step",
-    "logging.peak_tflops",
+    "logging.memory_snapshot_step", "logging.peak_tflops",
     # read only with W&B on, but every logging preset fills them from run.name / run.out_dir (so that turning W&B on
     # is one key): a warning here would fire on every run
     "logging.wandb.name", "logging.wandb.dir",

@@ -30,6 +30,9 @@ class LoggingConfig:
     log_every: int = 1  # console/W&B every N steps (metrics.jsonl always gets every step)
     phase_times: bool = False  # time forward / backward / optimizer per step (adds GPU syncs); for breakdowns
     profile_step: int = 0  # profile this step (1-based) with torch.profiler into run.out_dir; 0 = never
+    # record this step's CUDA allocations (1-based): a snapshot for pytorch.org/memory_viz and what is alive at its
+    # peak, by the line that allocated it, into run.out_dir (engine/observe/memory_snapshot.py); 0 = never
+    memory_snapshot_step: int = 0
     peak_tflops: float = 0.0  # per-GPU bf16 dense peak used for MFU; 0 = detect from the GPU name
 
 
@@ -38,3 +41,6 @@ def check_logging(cfg: "TrainConfig") -> None:
     ps, steps = cfg.logging.profile_step, cfg.trainer.max_steps
     require(0 <= ps <= steps, f"logging.profile_step={ps} must be a step of this run, 1..trainer.max_steps={steps} "
             "(or 0 for no profiling)")
+    ms = cfg.logging.memory_snapshot_step
+    require(0 <= ms <= steps, f"logging.memory_snapshot_step={ms} must be a step of this run, "
+            f"1..trainer.max_steps={steps} (or 0 for none)")

@@ -62,7 +62,7 @@ def main(argv) -> int:
         return 1
     print(f"memory=auto would choose memory={plan.choice} (the fastest preset whose predicted peak is at most "
           f"{FIT_FRACTION:.0%} of the GPU; presets within {TIE_FRACTION:.0%} of the fastest time count as equally "
-          "fast, and the least memory wins)")
+          "fast, and among them one without host memory wins, then the least GPU memory)")
     return 0
 
 

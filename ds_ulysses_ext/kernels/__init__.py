@@ -7,7 +7,8 @@ Shapes: every op is per token. x [..., H] -> RMSNorm -> [..., H]; gate, up [...,
 `liger` Liger-Kernel's Triton kernels; `compile` torch.compile of the reference functions (kernels.reference), each
 compiled once per shape; `auto` Liger where it is installed, else compile, on CUDA only. Each provider is checked at
 first use against the reference in fp32 (kernels/providers.py). Memory policies wrap these forwards afterwards, so a
-tiled MLP runs the fused product per tile.
+tiled MLP runs the fused product per tile. A provider may also have a fused loss head (Liger's fused linear
+cross-entropy): the report's `head`, which CPCausalLM's head runs in place of ds_ulysses_ext/loss.py's.
 """
 from .bind import KernelReport, apply_fused_kernels
 from .providers import KERNEL_MODES

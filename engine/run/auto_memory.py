@@ -4,7 +4,7 @@ The presets are hydra_conf/memory/*.yaml (all but `budget`, which needs a measur
 cost model is ds_ulysses_ext/memory/planner.py with its calibrated coefficients. A preset fits when its predicted
 peak is at most FIT_FRACTION of the GPU's memory and, with offload, the node's ranks' pinned host memory is at most
 FIT_FRACTION of the host's. The choice is the fastest that fits, where presets within TIE_FRACTION of the fastest
-time count as equally fast and the least memory among them wins. When none fits, the run is refused with the longest
+time count as equally fast; among those, one that pins no host memory wins, then the least GPU memory. When none fits, the run is refused with the longest
 data.seq_len that would fit.
 scripts/plan.py prints the same table from a laptop (no CUDA, nothing built).
 """
@@ -34,7 +34,7 @@ GIB = 2 ** 30
 # reserves 5-15% over what is allocated (docs/benchmarks.md), and the model's error is up to ~15% (docs/memory.md)
 FIT_FRACTION = 0.85
 # presets predicted within this fraction of the fastest one's step time count as equally fast (the model's time error
-# on the calibration rows is mostly under 5%), and the one with the least memory is chosen
+# on the calibration rows is mostly under 5%): one of them without host memory is chosen, then the least GPU memory
 TIE_FRACTION = 0.03
 NOT_CANDIDATES = ("auto", "budget")  # budget chooses from a measured probe, which a plan does not have
 # presets predicted and listed but never chosen, while no step of theirs has run on a GPU. Empty since the attention
@@ -135,12 +135,15 @@ def _candidate(name: str, fields: dict, shape: ModelShape, run: RunShape, coef: 
 
 
 def _choose(fitting: list) -> Optional[str]:
-    """The fastest; presets within TIE_FRACTION of its time count as equally fast, and the least memory wins."""
+    """The fastest; presets within TIE_FRACTION of its time count as equally fast, and among them one without host
+    memory wins, then the least GPU memory. Pinned host memory is taken from every rank of a node at once, from the
+    page cache and the data loaders, and a host out of memory kills the run without a Python error; when it buys no
+    time, the GPU memory it saves (both fit) is not worth that."""
     if not fitting:
         return None
     fastest = min(c.prediction.step_s for c in fitting)
     tied = [c for c in fitting if c.prediction.step_s <= (1 + TIE_FRACTION) * fastest]
-    return min(tied, key=lambda c: (c.prediction.peak_gib, c.prediction.step_s)).name
+    return min(tied, key=lambda c: (c.prediction.host_gib > 0, c.prediction.peak_gib, c.prediction.step_s)).name
 
 
 def plan_memory(cfg: TrainConfig, world_size: int, gpu_gib: float, host_gib: float, ranks_per_node: int = 1,

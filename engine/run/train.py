@@ -31,6 +31,7 @@ from ..observe.flops import attention_sq, count_params, detect_peak_tflops, laye
 from ..observe.host_memory import log_offload_estimate
 from ..observe.nonfinite import NonFiniteStep, judge, skipped_warning
 from ..observe.memory_report import log_memory_breakdown
+from ..observe.memory_snapshot import check_device as check_snapshot_device, maybe_record_memory
 from ..observe.oom import oom_advice
 from ..observe.plot import plot_loss
 from ..observe.profile import maybe_profile
@@ -44,6 +45,7 @@ log = logging.getLogger(__name__)
 
 def train(cfg: TrainConfig, plan: Plan, rt: Runtime) -> dict:
     out_dir = Path(cfg.run.out_dir)
+    check_snapshot_device(cfg.logging.memory_snapshot_step, rt.device)  # before anything is built
     topo = init_topology(plan.cp, plan.ep, plan.ring)
     if rt.is_main and plan.cp > 1:
         log.info("cp layout: ring=%d (Ulysses groups of %d): %s", plan.ring, plan.cp // plan.ring, plan.ring_reason)
@@ -116,7 +118,8 @@ def train(cfg: TrainConfig, plan: Plan, rt: Runtime) -> dict:
             _sync(rt.device)
             t0 = time.perf_counter()
             try:
-                with maybe_profile(cfg.logging.profile_step, step + 1, out_dir, rt.rank, rt.device):
+                with maybe_profile(cfg.logging.profile_step, step + 1, out_dir, rt.rank, rt.device), \
+                        maybe_record_memory(cfg.logging.memory_snapshot_step, step + 1, out_dir, rt.rank, rt.device):
                     result = train_step(engine, micro_batches, topo, scale, rt.device, pad_id,
                                         cfg.logging.phase_times, moe_aux_coef)
             except torch.OutOfMemoryError as err:
@@ -125,8 +128,8 @@ def train(cfg: TrainConfig, plan: Plan, rt: Runtime) -> dict:
             dt = time.perf_counter() - t0
             record = _metrics(step + 1, result, lr, dt, rt, plan, num_params, hf_config, peak_tflops,
                               packed_attention_sq(micro_batches, hf_config, topo, rt.device))
-            if step + 1 == cfg.logging.profile_step:
-                record["profiled"] = True  # its step time includes the profiler's overhead and trace export
+            if step + 1 in (cfg.logging.profile_step, cfg.logging.memory_snapshot_step):
+                record["profiled"] = True  # its step time includes the profiler's (or recorder's) overhead and export
             # once, what the device holds part by part: after the second step, the first with every part in place
             # (the optimizer allocates its states inside the first step, after that step's activation peak)
             if step == min(start + 1, stop - 1) and rt.is_main:
