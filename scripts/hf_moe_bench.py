@@ -66,7 +66,10 @@ def build(hf_config, device, dtype, experts):
     from transformers import AutoModelForCausalLM
     hf_config._experts_implementation = experts
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa", dtype=dtype).to(device)
+    # built and initialised on the device itself: a 14B shape (deepseek_v3_2l) initialised on the host and moved took
+    # over 120 s on the H200's host (docs/benchmarks.md AH)
+    with device:
+        model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa", dtype=dtype)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     model.train()

@@ -3,7 +3,7 @@ the device with `bash scripts/bench_gpu.sh gpu_tests`). Tolerance: 2e-2 relative
 to ~1e-3 in practice). Each test also checks that the fast path really ran.
 
 - ring: each fused block kernel (cuDNN's and torch's flash attention, with their log-sum-exp) inside a whole
-  simulated ring of 2 and 4 ranks on one GPU (scripts/bench_attn_features.py's simulation), against fp64 full attention;
+  simulated ring of 2 and 4 ranks on one GPU (scripts/ring_sim.py), against fp64 full attention;
 - packing: long documents' own calls and the short ones' padded, batched causal calls (masks.py);
 - sinks: the SDPA sink path (masks.py) against the dense definition;
 - flash-attn's and FA4's documents / window / sinks arguments (backends.py), where installed.
@@ -68,7 +68,7 @@ def _ring_inputs(S, D, seed):
 @pytest.mark.parametrize("R", [2, 4])
 def test_fused_ring_blocks_reassemble_exact_attention(R, kernel, monkeypatch):
     import ds_ulysses_ext.attention.ring_blocks as blocks_mod
-    from bench_attn_features import check_ring
+    from ring_sim import check_ring
     S, D = 4096, 64
     calls = _count_fused_calls(blocks_mod, D, monkeypatch, kernel)
     q, k, v, dout = _ring_inputs(S, D, seed=0)
@@ -126,7 +126,7 @@ def test_fused_ring_with_packed_documents_reassembles_exact_attention(kernel, mo
     # the whole simulated ring of 2 ranks with packed documents: one fused call per document part of each block
     import ds_ulysses_ext.attention.ring as ring_mod
     import ds_ulysses_ext.attention.ring_blocks as blocks_mod
-    from bench_attn_features import OneGpuRing, kv_shares
+    from ring_sim import OneGpuRing, kv_shares
     from ds_ulysses_ext.attention.masks import cu_seqlens_of, document_ids, masked_attention
     R, S, D = 2, 4096, 64
     lengths = [1000, 37, 1500, 600, 959]  # documents that cross the zigzag chunks
@@ -244,7 +244,7 @@ def test_fused_ring_with_sinks_reassembles_exact_attention(kernel, monkeypatch):
     # an output lowered by the sinks' log-sum-exp gradient (ring._lowered). A simulated ring of 2 ranks on one GPU
     import ds_ulysses_ext.attention.ring as ring_mod
     import ds_ulysses_ext.attention.ring_blocks as blocks_mod
-    from bench_attn_features import OneGpuRing, kv_shares
+    from ring_sim import OneGpuRing, kv_shares
     from ds_ulysses_ext.attention.masks import masked_attention
     R, S, D = 2, 4096, 64
     calls = _count_fused_calls(blocks_mod, D, monkeypatch, kernel)
@@ -289,7 +289,7 @@ def test_ring_with_a_window_through_varlen_calls_reassembles_exact_attention(R, 
     # a sliding window under the ring: each block's (query run, key run) pairs within reach as varlen calls with
     # the kernel's own reach (ring_varlen._WindowBlock), the whole simulated ring against fp64
     import ds_ulysses_ext.attention.ring_varlen as varlen_mod
-    from bench_attn_features import check_ring
+    from ring_sim import check_ring
     from ds_ulysses_ext.attention import flash_varlen
     S, D = 4096, 64
     assert varlen_mod._checked_varlen(torch.device("cuda", torch.cuda.current_device()), torch.bfloat16, D), \
