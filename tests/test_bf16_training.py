@@ -29,7 +29,7 @@ def _run_and_keep_movement(rank, world, overrides, report):
     kept = _run_keeping_engine(rank, world, overrides)
     if rank == 0:
         end = _master_partitions(kept["engine"].optimizer)
-        torch.save(torch.cat([(b.float() - a.float()).flatten() for a, b in zip(kept["start"], end)]), report)
+        torch.save(torch.cat([(b.detach().float() - a.float()).flatten() for a, b in zip(kept["start"], end)]), report)
 
 
 def train_keeping_movement(root, name, world, extra):
