@@ -54,3 +54,16 @@ def test_memory_snapshot_off_cuda_is_refused_with_the_fix():
     with pytest.raises(ValueError, match=r"logging.memory_snapshot_step=2 .* set logging.memory_snapshot_step=0"):
         check_device(2, torch.device("cpu"))
     check_device(0, torch.device("cpu"))  # off: nothing to refuse
+
+
+def test_a_cpu_run_asking_for_a_memory_snapshot_stops_before_the_build(tmp_path, monkeypatch):
+    """Through scripts/train.py: the refusal comes before the model is built (build is never reached)."""
+    import engine.run.train as loop
+    from dist_harness import run_ranks
+    from test_engine import BASE, _run
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model was built")
+    monkeypatch.setattr(loop, "build", never)  # the forked rank inherits the patch
+    with pytest.raises(Exception, match=r"logging.memory_snapshot_step=1 records the CUDA allocator's history"):
+        run_ranks(_run, 1, BASE + [f"run.out_dir={tmp_path}", "parallelism.cp=1", "logging.memory_snapshot_step=1"])
