@@ -80,6 +80,14 @@ def test_preset_is_the_checkpoints_shape(name):
     # the first layer dense, every other one routed (as each checkpoint's first_k_dense_replace / mlp_layer_types)
     routed = [any(type(m).__name__.endswith("Experts") for m in layer.modules()) for layer in model.model.layers]
     assert routed == [False] + [True] * (layers - 1)
+    # memory=auto's planner reads the same shape: its routed layers, and its parameters but the norms' vectors (MLA's
+    # latent projections, v's own head dim); its states and step time scale from these
+    from ds_ulysses_ext.memory.planner import ModelShape
+    shape = ModelShape.from_arch(cfg.model.arch, cfg.model.family)
+    norms = sum(p.numel() for n, p in model.named_parameters() if "norm" in n or n.endswith("e_score_correction_bias"))
+    assert shape.moe_layers == sum(routed)
+    assert shape.params() == params - norms - sum(p.numel() for n, p in model.named_parameters()
+                                                   if n.endswith(".bias") and "norm" not in n), name
 
 
 @pytest.mark.parametrize("name", ["glm4_moe_lite_4l", "glm4_5_air_4l"])

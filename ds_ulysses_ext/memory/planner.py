@@ -18,7 +18,8 @@ Peak GPU memory (bytes) =
   + `const_gib`.
 Bytes per token per layer, bf16, from the HF modules' saved tensors: RMSNorm 6H eager (fp32 input + bf16 output)
 or 2H fused; q/k/v projections 2(q+2kv), RoPE'd q/k 2(q+kv), attention output and o_proj input 4q (q = heads x
-head_dim, kv = kv_heads x head_dim); SwiGLU MLP 8I eager or 6I fused; an MoE block top_k x (8 I_expert + 4H) + 6E.
+head_dim, kv = kv_heads x head_dim; under MLA v and the output have v's head dim, and the q / kv latents add 4 bytes
+an element, norm input and output); SwiGLU MLP 8I eager or 6I fused; an MoE block top_k x (8 I_expert + 4H) + 6E.
 `except_attention` keeps the layer input 2H and the kernel's q, k, v, out 2(2q+2kv) (+2H at cp > 1); full
 recompute keeps 2H (on the host under offload, but for the three layers' inputs an offloaded backward holds: the
 one in use and two prefetched); selective drops the norms' and SwiGLU's element-wise tensors; a tiled MLP keeps no
@@ -68,6 +69,12 @@ class ModelShape:
     shared_intermediate: int = 0  # shared experts' total intermediate size
     moe_layers: int = 0
     qk_norm: bool = False  # RMSNorm over each query and key head (Qwen3, GLM-4-MoE with use_qk_norm)
+    # MLA (DeepSeek-V3, GLM-4-MoE-Lite): v's head dim when it is not q/k's, the q and kv latent ranks (0: none) and
+    # the rope part of q/k's head dim; the latents are per token, the heads come from their up-projections
+    v_head_dim: int = 0  # 0: head_dim
+    q_lora: int = 0
+    kv_lora: int = 0
+    rope_dim: int = 0
 
     @classmethod
     def from_arch(cls, arch: Mapping[str, Any], family: str = "") -> "ModelShape":
@@ -86,7 +93,9 @@ class ModelShape:
         if a.get("n_shared_experts"):
             shared = int(a["n_shared_experts"]) * expert_inter
         moe_layers = 0
-        if experts:
+        if experts and a.get("mlp_layer_types"):  # GLM-4-MoE-Lite spells its dense layers out: "dense" / "sparse"
+            moe_layers = sum(1 for t in a["mlp_layer_types"][:layers] if t != "dense")
+        elif experts:
             dense = set(a.get("mlp_only_layers") or [])
             dense |= set(range(int(a.get("first_k_dense_replace") or 0)))
             step = int(a.get("decoder_sparse_step") or 1)
@@ -96,7 +105,9 @@ class ModelShape:
                    vocab=int(a["vocab_size"]), tied=bool(a.get("tie_word_embeddings", False)),
                    experts=experts, top_k=top_k, expert_intermediate=expert_inter, shared_intermediate=shared,
                    moe_layers=moe_layers,
-                   qk_norm=bool(a.get("use_qk_norm", family in QK_NORM_FAMILIES)))
+                   qk_norm=bool(a.get("use_qk_norm", family in QK_NORM_FAMILIES)),
+                   v_head_dim=int(a.get("v_head_dim") or 0), q_lora=int(a.get("q_lora_rank") or 0),
+                   kv_lora=int(a.get("kv_lora_rank") or 0), rope_dim=int(a.get("qk_rope_head_dim") or 0))
 
     # --- parameter counts
     @property
@@ -108,11 +119,32 @@ class ModelShape:
         return self.kv_heads * self.head_dim
 
     @property
+    def v_width(self) -> int:
+        return self.kv_heads * (self.v_head_dim or self.head_dim)
+
+    @property
+    def out_width(self) -> int:
+        """Attention's output per token: every query head's v-sized result (o_proj's input)."""
+        return self.heads * (self.v_head_dim or self.head_dim)
+
+    @property
+    def latent_width(self) -> int:
+        """MLA's per-token latents: q's, kv's and the shared rope part of k (0 without MLA)."""
+        return self.q_lora + self.kv_lora + self.rope_dim if self.kv_lora else 0
+
+    @property
     def dense_layers(self) -> int:
         return self.layers - self.moe_layers
 
     def attention_params(self) -> int:
-        return 2 * self.hidden * self.q + 2 * self.hidden * self.kv
+        H, o = self.hidden, self.out_width * self.hidden
+        if not self.kv_lora:
+            return H * (self.q + self.kv + self.v_width) + o
+        # MLA: q through its latent (or directly), k's nope part and v from the kv latent, k's rope part shared
+        q = H * self.q_lora + self.q_lora * self.q if self.q_lora else H * self.q
+        nope = self.head_dim - self.rope_dim
+        kv = H * (self.kv_lora + self.rope_dim) + self.kv_lora * self.heads * (nope + (self.v_head_dim or self.head_dim))
+        return q + kv + o
 
     def expert_params(self, active: bool) -> int:
         """Routed experts of one MoE layer (top_k of them when active)."""
@@ -191,7 +223,8 @@ def _norm_bytes(s: ModelShape, run: RunShape) -> float:
 
 def _attention_bytes(s: ModelShape, run: RunShape) -> float:
     qk_norms = (2 if run.kernels == "fused" else 6) * (s.q + s.kv) if s.qk_norm else 0
-    return 2 * (s.q + 2 * s.kv) + 2 * (s.q + s.kv) + 4 * s.q + qk_norms
+    # q/k/v projections' outputs, RoPE'd q/k, attention's output and o_proj's input; MLA's latents and their norms
+    return 2 * (s.q + s.kv + s.v_width) + 2 * (s.q + s.kv) + 4 * s.out_width + qk_norms + 4 * s.latent_width
 
 
 def _mlp_bytes(s: ModelShape, run: RunShape, moe: bool, policy: Policy, transient: bool = False) -> float:
@@ -261,7 +294,8 @@ def memory_features(shape: ModelShape, run: RunShape, policy: Policy) -> dict:
     inputs_offloaded = 0
     for i in range(s.layers):
         if whole[i] or policy.recompute == "except_attention":
-            attention_kept = 0.0 if whole[i] else 2 * (2 * s.q + 2 * s.kv) + (2 * s.hidden if run.cp > 1 else 0)
+            attention_kept = 0.0 if whole[i] else (2 * (s.q + s.kv + s.v_width + s.out_width)
+                                                   + (2 * s.hidden if run.cp > 1 else 0))
             if policy.attention_offload and attention_kept:  # on the host; about two layers' stay on the GPU
                 host += attention_kept
                 attention_on_gpu = max(attention_on_gpu, attention_kept)
@@ -343,7 +377,8 @@ def time_features(s: ModelShape, run: RunShape, policy: Policy) -> dict:
     experts += 2 * T * moe_again * s.expert_params(active=True)
     if run.moe_recompute == "experts":
         experts += 2 * T * s.moe_layers * s.expert_params(active=True)
-    attn_layer = 2.0 * s.q * S * S * run.micro_batch / run.cp  # causal forward per layer, this GPU's heads
+    # causal forward per layer, this GPU's heads: q.k^T over q/k's head dim, then p.v over v's
+    attn_layer = 1.0 * (s.q + s.out_width) * S * S * run.micro_batch / run.cp
     attn = attn_layer * (3 * s.layers + n_whole)
     passes = 3 * s.layers + forwards_again + (s.layers if policy.recompute == "selective" or policy.selective_kept
                                               else 0)
