@@ -149,3 +149,14 @@ def test_bench_gpu_documents_and_runs_mla_train():
     part = re.search(r"^\s*mla_train\)(.*?);;", text, re.MULTILINE | re.DOTALL).group(1)
     assert "--model ${MLA_MODEL:-glm4_moe_lite_4l}" in part and "scripts/hf_moe_bench.py" in part
     assert subprocess.run(["bash", "-n", str(ROOT / "scripts" / "bench_gpu.sh")]).returncode == 0
+
+
+def test_the_documented_two_gpu_deepseek_line_validates():
+    """README and docs/moe.md give this line for deepseek_v3_2l (it does not train on one H200): it must compose and
+    validate at world 2, with the experts split over the two ranks next to the sequence."""
+    line = "model=deepseek_v3_2l parallelism.cp=2 parallelism.ep=2 data.seq_len=32768 precision=bf16 " \
+           "memory=full_recompute deepspeed.master_weights=bf16"
+    for doc in ("README.md", "docs/moe.md"):
+        assert line in (ROOT / doc).read_text(), doc
+    plan = validate(compose_config(line.split()), world_size=2)
+    assert (plan.cp, plan.ep, plan.seq_len) == (2, 2, 32768)
