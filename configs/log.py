@@ -38,9 +38,8 @@ class LoggingConfig:
 
 def check_logging(cfg: "TrainConfig") -> None:
     # after check_trainer, so a wrong trainer.max_steps is blamed on itself, not on this key
-    ps, steps = cfg.logging.profile_step, cfg.trainer.max_steps
-    require(0 <= ps <= steps, f"logging.profile_step={ps} must be a step of this run, 1..trainer.max_steps={steps} "
-            "(or 0 for no profiling)")
-    ms = cfg.logging.memory_snapshot_step
-    require(0 <= ms <= steps, f"logging.memory_snapshot_step={ms} must be a step of this run, "
-            f"1..trainer.max_steps={steps} (or 0 for none)")
+    steps = cfg.trainer.max_steps
+    for key in ("profile_step", "memory_snapshot_step"):
+        n = getattr(cfg.logging, key)
+        require(0 <= n <= steps, f"logging.{key}={n} must be a step of this run, 1..trainer.max_steps={steps} "
+                "(or 0 for none)")

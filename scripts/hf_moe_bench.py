@@ -78,18 +78,16 @@ def build(hf_config, device, dtype, experts):
 
 def apply_liger(family: str):
     """Liger-Kernel's patch function for `family` (its MODEL_TYPE_TO_APPLY_LIGER_FN), called with its defaults plus
-    RoPE, before the model is built: the anchor a Liger user would run. Patching HF's classes process-wide is
-    fine here: this process builds one anchor model and nothing else."""
+    RoPE where it takes the argument (DeepSeek-V3's warns that it has no RoPE kernel and skips it), before the model
+    is built: the anchor a Liger user would run. Patching HF's classes process-wide is fine here: this process builds
+    one anchor model and nothing else."""
     import inspect
     from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
     fn = MODEL_TYPE_TO_APPLY_LIGER_FN.get(family)
     if fn is None:
         raise SystemExit(f"--liger: Liger-Kernel has no patch function for model_type {family!r}")
-    # DeepSeek-V3's interleaved RoPE has no Liger kernel: its function warns and skips rope=True; pass it only where
-    # the function does not document it as unsupported
-    rope = "rope" in inspect.signature(fn).parameters and "not supported" not in (fn.__doc__ or "")
-    fn(**({"rope": True} if rope else {}))
-    return fn.__name__ + ("(rope=True)" if rope else "()")
+    fn(**({"rope": True} if "rope" in inspect.signature(fn).parameters else {}))
+    return fn.__name__
 
 
 def make_optimizer(model):

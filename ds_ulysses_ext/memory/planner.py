@@ -20,7 +20,7 @@ Bytes per token per layer, bf16, from the HF modules' saved tensors: RMSNorm 6H 
 or 2H fused; q/k/v projections 2(q+2kv), RoPE'd q/k 2(q+kv), attention output and o_proj input 4q (q = heads x
 head_dim, kv = kv_heads x head_dim; under MLA v and the output have v's head dim, and the q / kv latents add 4 bytes
 an element, norm input and output); SwiGLU MLP 8I eager or 6I fused; an MoE block top_k x (8 I_expert + 4H) + 6E.
-`except_attention` keeps the layer input 2H and the kernel's q, k, v, out 2(2q+2kv) (+2H at cp > 1); full
+`except_attention` keeps the layer input 2H and the kernel's q, k, v, out 2(q+k+v+out) (+2H at cp > 1); full
 recompute keeps 2H (on the host under offload, but for the three layers' inputs an offloaded backward holds: the
 one in use and two prefetched); selective drops the norms' and SwiGLU's element-wise tensors; a tiled MLP keeps no
 [tokens, intermediate] tensor; attention_offload moves except_attention's attention tensors to the host but for
@@ -119,13 +119,17 @@ class ModelShape:
         return self.kv_heads * self.head_dim
 
     @property
+    def v_dim(self) -> int:
+        return self.v_head_dim or self.head_dim
+
+    @property
     def v_width(self) -> int:
-        return self.kv_heads * (self.v_head_dim or self.head_dim)
+        return self.kv_heads * self.v_dim
 
     @property
     def out_width(self) -> int:
         """Attention's output per token: every query head's v-sized result (o_proj's input)."""
-        return self.heads * (self.v_head_dim or self.head_dim)
+        return self.heads * self.v_dim
 
     @property
     def latent_width(self) -> int:
@@ -143,7 +147,7 @@ class ModelShape:
         # MLA: q through its latent (or directly), k's nope part and v from the kv latent, k's rope part shared
         q = H * self.q_lora + self.q_lora * self.q if self.q_lora else H * self.q
         nope = self.head_dim - self.rope_dim
-        kv = H * (self.kv_lora + self.rope_dim) + self.kv_lora * self.heads * (nope + (self.v_head_dim or self.head_dim))
+        kv = H * (self.kv_lora + self.rope_dim) + self.kv_lora * self.heads * (nope + self.v_dim)
         return q + kv + o
 
     def expert_params(self, active: bool) -> int:
