@@ -20,12 +20,13 @@
 #   site_fa4     pip-install the FA4 wheels of .fa4w/ (flash-attn-4, nvidia-cutlass-dsl meta/base/core, quack-kernels,
 #                apache-tvm-ffi, torch-c-dlpack-ext, einops) into the site folder; before site_cu13 (pip --upgrade
 #                replaces whole top-level folders)
-#   stash_cu13   copy .fa4a/cu13.tar.xz (nvidia-cutlass-dsl-libs-cu13's files, xz: 61 MiB; the wheel is 88 MiB,
-#                over the 64 MiB carry limit, and with .whl it still is) to /tmp/fa4a, which outlives the call
-#                on a warm machine. FA4 recipe: call 1 carries [.fa4a]: `stash_cu13 attn`; call 2 carries
-#                [.whl, .fa4w, .bench]: `site_fa4 site_cu13 fa4 ...` (that order: pip --upgrade replaces whole
-#                top-level folders, so installing the wheels after the unpack would delete it).
-#   site_cu13    unpack the cu13 archive (.fa4a/ or /tmp/fa4a/) into the site folder
+#   stash_cu13   copy .fa4a/cu13.tar.xz.part-* (the first part of nvidia-cutlass-dsl-libs-cu13's files, xz, split:
+#                61 MiB in all; the wheel is 88 MiB, over the 64 MiB carry limit with the tree) to /tmp/fa4a, which
+#                outlives the call on a warm machine. FA4 recipe: call 1 carries [.fa4a]: `stash_cu13`; call 2
+#                carries [.whl, .fa4w, .bench, .fa4b] (the other parts): `site_fa4 site_cu13 fa4 ...` (that order:
+#                pip --upgrade replaces whole top-level folders, so installing the wheels after the unpack would
+#                delete it).
+#   site_cu13    unpack the cu13 archive (its parts from /tmp/fa4a/, .fa4a/ and .fa4b/) into the site folder
 #   fa4          our attention with FlashAttention-4 vs SDPA (cuDNN), group of 1, D=64 (the 1B model) and D=128
 #   train_512k   one 512k step of ours (memory=except_attention_tiled) and of ALST (its measured maximum), no warm-up
 #   train_1m     one 1,048,576-token step of ours (memory=long_context); about 14 min at the measured 256k rate,
@@ -88,7 +89,8 @@
 # --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --pre` of
 # flash-attn-4==4.0.0b36 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1
 # nvidia-cutlass-dsl-libs-core==4.8.1 apache-tvm-ffi==0.1.15.post2 torch-c-dlpack-ext==0.1.5 quack-kernels einops;
-# .fa4a/cu13.tar.xz = the files of nvidia_cutlass_dsl_libs_cu13-4.8.1 (unzip the wheel, `tar c . | xz -9e`).
+# cu13.tar.xz = the files of nvidia_cutlass_dsl_libs_cu13-4.8.1 (unzip the wheel, `tar c . | xz -9e`), cut by
+# `split -b 30000000 -d cu13.tar.xz cu13.tar.xz.part-`: part-00 in .fa4a/, the others in .fa4b/.
 set -u
 cd "$(dirname "$0")/.."
 export OUT=${OUT:-$PWD/outputs/bench}
@@ -112,9 +114,11 @@ for part in ${*:-attn train_short train_long}; do
                   --anchors "${ANCHORS-alst}" --steps ${LONG_STEPS:-2} ${EXTRA:-} ;;
     site_fa4) python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
                 .fa4w/*.whl && echo "FA4 wheels installed into $SITE" ;;
-    stash_cu13) mkdir -p /tmp/fa4a && cp .fa4a/cu13.tar.xz /tmp/fa4a/ && echo "cu13 archive kept in /tmp/fa4a" ;;
-    site_cu13) tar -xJf "$([ -f .fa4a/cu13.tar.xz ] && echo .fa4a || echo /tmp/fa4a)/cu13.tar.xz" -C "$SITE" \
-                 && echo "cutlass-dsl cu13 libs unpacked into $SITE" ;;
+    stash_cu13) mkdir -p /tmp/fa4a && cp .fa4a/cu13.tar.xz.part-* /tmp/fa4a/ && echo "cu13 archive parts kept in /tmp/fa4a" ;;
+    site_cu13) # the archive's parts, from wherever this call or an earlier one on this machine put them, in order
+               parts=$(for f in /tmp/fa4a/cu13.tar.xz.part-* .fa4a/cu13.tar.xz.part-* .fa4b/cu13.tar.xz.part-*; do
+                         [ -f "$f" ] && echo "$(basename "$f") $f"; done | sort -u -k1,1 | cut -d' ' -f2)
+               cat $parts | tar -xJ -C "$SITE" && echo "cutlass-dsl cu13 libs unpacked into $SITE from" $parts ;;
     fa4) python3 -c "import flash_attn.cute; print('flash_attn.cute imports')" 2>&1 | tail -2
          for d in 64 128; do
            python3 scripts/bench_attention.py --seqs 32768,131072 --reps 5 --head-dim $d --backend sdpa | tee -a "$OUT/attn.jsonl"
