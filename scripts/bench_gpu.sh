@@ -12,7 +12,7 @@
 #                above): the op table by GPU time is kept as $OUT/0_profile_16k.txt, and the per-phase breakdown
 #                of the trace (scripts/trace_phases.py: host ops, GPU busy and idle time) printed and kept as
 #                $OUT/0_phases_16k.txt
-#   memory_16k   one 16k step of ours (full_recompute, bf16 master weights, model.kernels=liger; $MEM_POINT, $EXTRA) under
+#   memory_16k   step $MEM_STEP (default 2) of 3 at 16k of ours (full_recompute, bf16 master weights, model.kernels=liger; $MEM_POINT, $EXTRA) under
 #                the CUDA allocator's history (logging.memory_snapshot_step, engine/observe/memory_snapshot.py): what is
 #                alive at the step's peak, by the line that allocated it, printed and kept as $OUT/0_memory_16k.txt
 #   train_long   $LONG_POINTS (S:memory, default 128k and 256k with except_attention): ours and ALST (anchor 'alst')
@@ -108,8 +108,8 @@ for part in ${*:-attn train_short train_long}; do
                  python3 scripts/trace_phases.py "$OUT"/prof/ours_llama3_2_1b_16384_full_recompute_cp1/profile_step4_rank0.json \
                    --top 12 | tee "$OUT/0_phases_16k.txt" ;;
     memory_16k) OUT=$OUT/mem python3 scripts/bench_train.py --points ${MEM_POINT:-16384:full_recompute} --steps 3 \
-                  deepspeed.master_weights=bf16 model.kernels=liger logging.memory_snapshot_step=2 ${EXTRA:-} | cut -c1-400
-                cp "$OUT"/mem/ours_*/memory_step2_rank0.txt "$OUT/0_memory_16k.txt" && cat "$OUT/0_memory_16k.txt" ;;
+                  deepspeed.master_weights=bf16 model.kernels=liger logging.memory_snapshot_step=${MEM_STEP:-2} ${EXTRA:-} | cut -c1-400
+                cp "$OUT"/mem/ours_*/memory_step${MEM_STEP:-2}_rank0.txt "$OUT/0_memory_16k.txt" && cat "$OUT/0_memory_16k.txt" ;;
     train_long) python3 scripts/bench_train.py --points ${LONG_POINTS:-131072:except_attention,262144:except_attention} \
                   --anchors "${ANCHORS-alst}" --steps ${LONG_STEPS:-2} ${EXTRA:-} ;;
     site_fa4) python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \

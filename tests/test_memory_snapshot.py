@@ -67,3 +67,16 @@ def test_a_cpu_run_asking_for_a_memory_snapshot_stops_before_the_build(tmp_path,
     monkeypatch.setattr(loop, "build", never)  # the forked rank inherits the patch
     with pytest.raises(Exception, match=r"logging.memory_snapshot_step=1 records the CUDA allocator's history"):
         run_ranks(_run, 1, BASE + [f"run.out_dir={tmp_path}", "parallelism.cp=1", "logging.memory_snapshot_step=1"])
+
+
+def test_a_block_freed_in_the_step_counts_once_so_a_later_peak_is_seen():
+    # torch logs free_requested then free_completed for the same block: counted twice, the count would drop to
+    # -100 MiB and the later 150 MiB block would look like no peak at all (a real step read 7.7 GiB for 12.2)
+    trace = _trace(("alloc", 1, 100 * MIB, MLP), ("free_requested", 1, 100 * MIB, MLP),
+                   ("free_completed", 1, 100 * MIB, MLP), ("alloc", 2, 150 * MIB, HEAD),
+                   ("free_requested", 2, 150 * MIB, HEAD), ("alloc", 1, 120 * MIB, MLP),  # address 1 reused
+                   ("free_completed", 2, 150 * MIB, HEAD), ("alloc", 3, 140 * MIB, MLP))  # 260 MiB: the peak
+    got = live_at_peak(trace, device=1, baseline_bytes=0)
+    assert got["peak_bytes"] == 260 * MIB
+    assert got["sites"] == [{"site": "transformers/models/llama/modeling_llama.py:150 forward", "tensors": 2,
+                             "bytes": 260 * MIB}]

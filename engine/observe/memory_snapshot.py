@@ -51,26 +51,27 @@ def live_at_peak(snapshot: dict, device: int, baseline_bytes: int) -> dict:
     """Replay device `device`'s trace: the peak of allocated bytes (baseline_bytes = allocated when recording began)
     and the recorded allocations alive at that moment, summed by site, largest first.
 
-    A block counts from its `alloc` until its `free_requested` (the program let go of it) or `free_completed`; a
-    block allocated before recording began (a gradient, an activation of the previous step) lowers the count when it
-    is freed, so the peak is the allocator's own."""
+    A block counts from its `alloc` until its `free_requested` (the program let go of it); torch then logs the same
+    block's `free_completed`, which must not count again. A block allocated before recording began (a gradient, an
+    activation of the previous step) lowers the count when it is freed, so the peak is the allocator's own."""
     live: dict = {}
-    freed_before: set = set()  # blocks of before the recording, freed since
+    requested: set = set()  # blocks whose free_requested was counted; their free_completed is not
     now = peak = baseline_bytes
     at_peak: dict = {}
     for ev in snapshot["device_traces"][device]:
         action, addr = ev.get("action"), ev.get("addr")
         if action == "alloc":
             live[addr] = (ev["size"], ev.get("frames", []))
+            requested.discard(addr)  # the address is in use again: its next free counts
             now += ev["size"]
             if now > peak:
                 peak, at_peak = now, dict(live)
-        elif action in ("free_requested", "free_completed"):
-            if addr in live:
-                now -= live.pop(addr)[0]
-            elif action == "free_requested" or addr not in freed_before:  # one of the pair, counted once
-                now -= ev.get("size", 0)
-                freed_before.add(addr)
+        elif action == "free_requested" or (action == "free_completed" and addr not in requested):
+            now -= live.pop(addr)[0] if addr in live else ev.get("size", 0)
+            if action == "free_requested":
+                requested.add(addr)
+        elif action == "free_completed":
+            requested.discard(addr)
     by_site: dict = {}
     for size, frames in at_peak.values():
         site = _site(frames)
@@ -99,19 +100,25 @@ def report_text(result: dict, step: int, top: int = 25) -> str:
 def _recorded(out_dir: Path, step: int, rank: int, device: torch.device):
     torch.cuda.synchronize(device)
     baseline = torch.cuda.memory_allocated(device)
+    # the allocator's own running peak, before and after: not reset, the run's peak_alloc_gib stays the run's
+    peak_before = torch.cuda.max_memory_allocated(device)
     torch.cuda.memory._record_memory_history(enabled="all", context="all", stacks="python", max_entries=MAX_ENTRIES)
     try:
         yield
     finally:
         torch.cuda.synchronize(device)
         snapshot = torch.cuda.memory._snapshot()
+        allocator_peak = torch.cuda.max_memory_allocated(device)
         torch.cuda.memory._record_memory_history(enabled=None)
     stem = out_dir / f"memory_step{step}_rank{rank}"
     with open(stem.with_suffix(".pickle"), "wb") as f:
         pickle.dump(snapshot, f)
     result = live_at_peak(snapshot, device.index if device.index is not None else torch.cuda.current_device(),
                           baseline)
-    stem.with_suffix(".txt").write_text(report_text(result, step))
+    check = (f"the allocator's own peak, {allocator_peak / GIB:.2f} GiB, was set in this step: the replay's equals it"
+             if allocator_peak > peak_before else
+             f"the run's peak so far, {peak_before / GIB:.2f} GiB, was set before this step (this step's is lower)")
+    stem.with_suffix(".txt").write_text(report_text(result, step) + check + "\n")
 
 
 def maybe_record_memory(snapshot_step: int, step: int, out_dir: Path, rank: int, device: torch.device):
