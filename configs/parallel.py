@@ -15,7 +15,8 @@ if TYPE_CHECKING:  # configs.train imports this module
     from configs.train import TrainConfig
 
 MASTER_WEIGHTS = ("fp32", "bf16")
-ZERO_STAGES = (2, 3)  # the stages whose gradient reduction over cp is verified exact (docs/design.md)
+# 2 and 3: the stages whose gradient reduction over cp is verified exact (docs/design.md); 0: no ZeRO, one rank only
+ZERO_STAGES = (0, 2, 3)
 
 
 @dataclass
@@ -32,7 +33,9 @@ class ParallelismConfig:
 
 @dataclass
 class DeepSpeedConfig:
-    zero_stage: int = 3  # 2 or 3: the stages whose gradient reduction over cp we have verified to be exact
+    # 2 or 3: the stages whose gradient reduction over cp we have verified to be exact. 0 (deepspeed=zero0): one
+    # rank, no ZeRO: torch's fused AdamW steps the parameters and their own .grad (engine/ds/clipping_adamw.py)
+    zero_stage: int = 3
     offload_optimizer: bool = False  # optimizer state to host memory (ZeRO-Offload)
     offload_param: bool = False  # parameters to host memory; needs zero_stage=3
     overlap_comm: bool = True  # overlap gradient reduction with backward
@@ -48,13 +51,15 @@ class DeepSpeedConfig:
     master_weights: str = "fp32"
 
 
-def check_deepspeed(cfg: "TrainConfig") -> None:
+def check_deepspeed(cfg: "TrainConfig", world_size: int) -> None:
     stage = cfg.deepspeed.zero_stage
     require(
         stage in ZERO_STAGES,
         f"deepspeed.zero_stage={stage} is not supported: exactness under cp is verified for ZeRO-2 and "
-        "ZeRO-3 only; use deepspeed=zero2 or deepspeed=zero3",
+        "ZeRO-3 only (and ZeRO-0 on one rank); use deepspeed=zero2 or deepspeed=zero3",
     )
+    if stage == 0:
+        check_zero0(cfg, world_size)
     require(
         not cfg.deepspeed.offload_param or stage == 3,
         f"deepspeed.offload_param=true needs deepspeed.zero_stage=3 (got {stage}: only ZeRO-3 partitions "
@@ -66,6 +71,33 @@ def check_deepspeed(cfg: "TrainConfig") -> None:
         f"deepspeed.master_weights={cfg.deepspeed.master_weights} needs precision=bf16 (got precision="
         f"{cfg.precision}: the master weights cannot be narrower than the model's); set precision=bf16 or "
         "deepspeed.master_weights=fp32",
+    )
+
+
+def check_zero0(cfg: "TrainConfig", world_size: int) -> None:
+    """deepspeed=zero0 is the one-GPU path of a plain torch loop: no partition, no reduction, no master copy."""
+    require(
+        world_size == 1,
+        f"deepspeed=zero0 runs on one rank only (got a world of {world_size}): it reduces no gradient between ranks; "
+        "use deepspeed=zero2 or deepspeed=zero3 on several",
+    )
+    require(
+        not (cfg.deepspeed.offload_optimizer or cfg.deepspeed.offload_param),
+        "deepspeed=zero0 keeps everything on the device; offloading needs deepspeed=zero2 (optimizer) or "
+        "deepspeed=zero3_offload (parameters)",
+    )
+    # the optimizer steps the parameters themselves: the master weights are the model's own dtype
+    model_dtype = "bf16" if cfg.precision == "bf16" else "fp32"
+    require(
+        cfg.deepspeed.master_weights == model_dtype,
+        f"deepspeed=zero0 steps the optimizer on the parameters themselves, so its master weights are the model's "
+        f"{model_dtype} (got deepspeed.master_weights={cfg.deepspeed.master_weights} with precision={cfg.precision}); "
+        f"set deepspeed.master_weights={model_dtype}, or use deepspeed=zero2 for an fp32 master copy",
+    )
+    require(
+        cfg.trainer.on_nonfinite != "skip",
+        "trainer.on_nonfinite=skip needs DeepSpeed's ZeRO overflow check (deepspeed=zero2 or zero3); deepspeed=zero0 "
+        "supports trainer.on_nonfinite=abort",
     )
 
 

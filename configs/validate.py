@@ -54,7 +54,7 @@ def validate(cfg: TrainConfig, world_size: int) -> Plan:
     check_logging(cfg)
     check_eval(cfg)
     check_memory(cfg.memory, cfg.model.arch)
-    check_deepspeed(cfg)
+    check_deepspeed(cfg, world_size)
     dp = check_parallelism(cfg, world_size)
     ring, ring_reason = resolve_ring(cfg)
     check_moe(cfg, world_size)

@@ -34,7 +34,8 @@
 #   moe_block    the MoE block, Qwen3-30B-A3B shape, bf16 fwd+bwd at 16k and 64k tokens: ours (scripts/bench_moe.py,
 #                recompute none / experts / experts + offload) and the anchor, HF's grouped_mm block (moe_bench.py)
 #   kernels_short  Llama-3.2-1B shape at $SHORT_POINTS (default 16k and 32k, full_recompute, bf16 master weights): ours
-#                with each model.kernels of $KERNELS (default "liger none"), then HF + Liger ($SHORT_ANCHORS)
+#                with each model.kernels of $KERNELS (default "liger none"; $DS: the deepspeed preset, default zero3, e.g.
+#                zero0), then HF + Liger ($SHORT_ANCHORS)
 #   loss_head    the loss head alone at 16k and 32k tokens, Llama-3's vocabulary, bf16 forward + backward: ours against
 #                Liger-Kernel's fused linear cross-entropy (bf16 and fp32 weight-gradient accumulation), with each one's
 #                weight-gradient error against fp32 (scripts/bench_loss.py); $OUT/loss_head.jsonl
@@ -43,7 +44,7 @@
 #                the default 1e-3 this random-init model's bf16 loss climbs, and any rounding difference grows), and a
 #                control (eager, loss chunks of 1024: rounding only): the per-step loss of the fused run and of the
 #                control against the eager one (max, mean, last absolute difference); $OUT/track_loss_<run>.jsonl
-#   moe_short    the 4-layer Qwen3-30B-A3B shape at $MOE_POINTS (default 16384:none): ours with each of $KERNELS, then
+#   moe_short    the 4-layer Qwen3-30B-A3B shape at $MOE_POINTS (default 16384:none): ours with each of $KERNELS ($DS), then
 #                HF + Liger (moe_model_bench.py --liger) at $MOE_HF_SEQS
 #   moe_train    training steps of the 4-layer Qwen3-30B-A3B shape: ours ($MOE_POINTS, S:memory, bf16 master weights,
 #                $MOE_EXTRA, default moe=expert_recompute) and stock HF (moe_model_bench.py) at $MOE_HF_SEQS
@@ -134,7 +135,7 @@ for part in ${*:-attn train_short train_long}; do
                python3 .bench/anchor-bench/moe_bench.py --tokens 16384,65536 --impls grouped_mm | tee -a "$OUT/moe_block.jsonl" ;;
     kernels_short) for k in ${KERNELS:-liger none}; do
                      python3 scripts/bench_train.py --points ${SHORT_POINTS:-16384:full_recompute,32768:full_recompute} \
-                       --steps 4 deepspeed.master_weights=bf16 model.kernels=$k ${EXTRA:-}; done
+                       --steps 4 --deepspeed ${DS:-zero3} deepspeed.master_weights=bf16 model.kernels=$k ${EXTRA:-}; done
                    python3 scripts/bench_train.py --points ${SHORT_POINTS:-16384:full_recompute,32768:full_recompute} \
                      --steps 4 --anchors ${SHORT_ANCHORS:-hf+liger} --order anchors-first --no-ours ;;
     loss_head) python3 scripts/bench_loss.py --tokens ${LOSS_TOKENS:-16384,32768} | tee -a "$OUT/loss_head.jsonl" ;;
@@ -155,7 +156,7 @@ for name, a in zip(('liger', 'control'), runs):
                   "$OUT/track_loss_none.jsonl" "$OUT/track_loss_liger.jsonl" "$OUT/track_loss_control.jsonl" ;;
     moe_short) for k in ${KERNELS:-liger none}; do
                  python3 scripts/bench_train.py --model qwen3_30b_a3b_4l --points ${MOE_POINTS:-16384:none} --steps 4 \
-                   deepspeed.master_weights=bf16 moe.dispatcher=alltoall model.kernels=$k ${MOE_EXTRA:-}; done
+                   --deepspeed ${DS:-zero3} deepspeed.master_weights=bf16 moe.dispatcher=alltoall model.kernels=$k ${MOE_EXTRA:-}; done
                python3 .bench/anchor-bench/moe_model_bench.py --seqs ${MOE_HF_SEQS:-16384} --layers 4 --liger \
                  | tee -a "$OUT/moe_train_hf_liger.jsonl" ;;
     moe_train) python3 scripts/bench_train.py --model qwen3_30b_a3b_4l --points ${MOE_POINTS:-32768:full_recompute,131072:full_recompute} \

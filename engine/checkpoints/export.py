@@ -12,6 +12,7 @@ import json
 import logging
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from configs import to_dataclass
@@ -103,7 +104,8 @@ def _with_all_experts(module, state: dict, rank: int) -> dict:
 
 def export_hf_from_checkpoint(out_dir: Path, tag: str | None = None, export_dir: Path | None = None) -> Path:
     """A saved checkpoint of the run in `out_dir` (default: `latest`): DeepSpeed's fp32 master weights,
-    gathered from every rank's shard file by its zero_to_fp32, cast to the run's model dtype."""
+    gathered from every rank's shard file by its zero_to_fp32 (deepspeed=zero0: the module state DeepSpeed saved
+    whole), cast to the run's model dtype."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from transformers import AutoModelForCausalLM
 
@@ -119,7 +121,12 @@ def export_hf_from_checkpoint(out_dir: Path, tag: str | None = None, export_dir:
             "is not supported (expert shards are partitioned per EP rank). Use the run's own export "
             "(trainer.export_hf=true writes <run.out_dir>/hf_export), or resume it and let it export at the end")
     export_dir = Path(export_dir or out_dir / f"hf_export_{tag}")
-    state = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint.ckpt_root(out_dir)), tag=tag)
+    if cfg.deepspeed.zero_stage == 0:
+        # deepspeed=zero0 keeps no master partition: the weights are the module state DeepSpeed saved whole
+        state = torch.load(checkpoint.ckpt_root(out_dir) / tag / "mp_rank_00_model_states.pt", map_location="cpu",
+                           weights_only=False)["module"]
+    else:
+        state = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint.ckpt_root(out_dir)), tag=tag)
     state = {k.removeprefix(_PREFIX): v for k, v in state.items()}
     expert_bias = any(k.endswith(".expert_bias") for k in state)  # zero_to_fp32 returns the buffers too
     hf_config = hf_config_of(cfg.model)

@@ -24,7 +24,8 @@ from .config import optimizer_params, to_deepspeed_dict
 from .grad_reduction import check_engine
 from .hf_config import hf_config_of
 from .init import init_random_weights
-from .patches import mark_expert_parallel, share_master_weights
+from .clipping_adamw import ClippingAdamW
+from .patches import mark_expert_parallel, no_reduction_alone, share_master_weights
 
 try:  # transformers >= 5; an older one builds with HF's own init, on the CPU, as before
     from transformers.initialization import no_init_weights
@@ -121,7 +122,11 @@ def build(cfg: TrainConfig, plan: Plan, topo: Topology, device: torch.device, lo
     if stage != 3:
         model.to(device)
     optimizer = None
-    if "optimizer" not in ds_dict:
+    if stage == 0:  # one rank, no ZeRO: the optimizer steps the parameters and clips inside its fused kernel
+        p = optimizer_params(cfg)
+        optimizer = ClippingAdamW(model.parameters(), cfg.trainer.grad_clip, lr=p["lr"], betas=tuple(p["betas"]),
+                                  eps=p["eps"], weight_decay=p["weight_decay"])
+    elif "optimizer" not in ds_dict:
         p = optimizer_params(cfg)
         # fused: one kernel over DeepSpeed's flat fp32 partition instead of a chain of foreach passes (the
         # stock-HF anchor steps with fused=True too); torch has it for CUDA and CPU alike
@@ -129,6 +134,8 @@ def build(cfg: TrainConfig, plan: Plan, topo: Topology, device: torch.device, lo
                                       weight_decay=p["weight_decay"], fused=True)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_dict, mpu=topo,
                                       lr_scheduler=build_scheduler(cfg.trainer))
+    if stage == 0:
+        no_reduction_alone(engine)
     scale = check_engine(engine, plan)
     if share_master_weights(engine):  # one copy of the weights where the master copy would equal them
         log.info("master weights share the parameters' storage (%s): no second copy", cfg.deepspeed.master_weights)

@@ -22,6 +22,8 @@ def to_deepspeed_dict(cfg: TrainConfig, plan: Plan, load_universal: bool = False
     """`load_universal`: the resume loads a re-partitioned copy (engine/checkpoints/reshard.py)."""
     ds = cfg.deepspeed
     stage = effective_zero_stage(cfg, plan)
+    if stage == 0:
+        return _zero0_dict(cfg, plan)
     alone = plan.world_size == 1
     zero: dict = {
         "stage": stage,
@@ -59,6 +61,25 @@ def to_deepspeed_dict(cfg: TrainConfig, plan: Plan, load_universal: bool = False
         # ZeRO-Offload needs DeepSpeed's CPU Adam; it refuses a client torch optimizer
         config["optimizer"] = {"type": "AdamW", "params": optimizer_params(cfg)}
     return config
+
+
+def _zero0_dict(cfg: TrainConfig, plan: Plan) -> dict:
+    """deepspeed=zero0 (one rank, configs/parallel.py check_zero0): DeepSpeed runs the loop around our optimizer,
+    engine/ds/clipping_adamw.py, which clips inside its fused step. So DeepSpeed's own clip is off (a separate pass
+    and a host sync), and its bf16 mode too: the parameters are already the model's dtype, and at ZeRO-0 that mode
+    would wrap the optimizer in DeepSpeed's BF16_Optimizer with an fp32 copy of every weight and gradient."""
+    return {
+        "train_micro_batch_size_per_gpu": plan.micro_batch_size,
+        "gradient_accumulation_steps": plan.grad_accum,
+        "gradient_clipping": 0.0,
+        "sequence_parallel_size": plan.cp,
+        "zero_optimization": {"stage": 0},
+        "bf16": {"enabled": False},
+        "prescale_gradients": False,
+        "gradient_predivide_factor": 1.0,
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
 
 
 DEFAULT_BUCKET = 500_000_000  # DeepSpeed's own default: large messages for NCCL between GPUs

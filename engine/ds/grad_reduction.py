@@ -10,6 +10,7 @@ keeps measuring it):
     ZeRO-3, reduce_scatter=true       mean over dp*cp ranks             dp * cp
     ZeRO-3, reduce_scatter=false      sum over cp, mean over dp         dp
     ZeRO-2 (either)                   sum over cp, mean over dp         dp
+    ZeRO-0 (one rank only)            none (reduction turned off)       1
 and DeepSpeed's backward() divides by gradient_accumulation_steps unless scale_wrt_gas=False, which
 the step uses. ds_config.py pins reduce_scatter=true; check_engine() refuses anything else at start-up
 so that a config change cannot silently break the scale.
@@ -26,6 +27,8 @@ def loss_scale(zero_stage: int, reduce_scatter: bool, plan: Plan) -> float:
         return float(plan.dp * plan.cp)
     if zero_stage in (2, 3):
         return float(plan.dp)
+    if zero_stage == 0 and plan.world_size == 1:
+        return 1.0
     raise ValueError(f"ZeRO stage {zero_stage} has no verified gradient-reduction scale; use zero2 or zero3 "
                      "(deepspeed=zero2|zero3)")
 
@@ -54,6 +57,8 @@ def check_engine(engine, plan: Plan) -> float:
                 problems.append(f"a ZeRO-3 {'expert ' if expert else ''}parameter is partitioned over {size} "
                                 f"ranks, not {want}")
                 break
+    elif stage == 0 and (plan.world_size != 1 or engine.enable_backward_allreduce):
+        problems.append("ZeRO-0 runs on one rank with DeepSpeed's gradient all-reduce off (engine/ds/patches.py)")
     elif plan.ep > 1:
         problems.append(f"ep={plan.ep} needs ZeRO-3: ZeRO-{stage} would average different ranks' experts")
     if engine.gradient_accumulation_steps() != plan.grad_accum:

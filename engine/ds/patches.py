@@ -140,6 +140,14 @@ def share_master_weights(engine) -> bool:
     return True
 
 
+def no_reduction_alone(engine) -> None:
+    """ZeRO-0 on one rank: turn off DeepSpeed's end-of-backward gradient all-reduce (0.19.8 `allreduce_gradients`,
+    taken whenever `enable_backward_allreduce`). Over a group of one it changes no value, yet it flattens the
+    gradients into buckets of up to 5e8 elements and copies them back: a second copy of every gradient at the end of
+    the backward, the very peak ZeRO-0 exists to avoid (engine/ds/clipping_adamw.py)."""
+    engine.enable_backward_allreduce = False
+
+
 EXPERT_GROUP_NAME = "ds_ulysses_ep"
 
 

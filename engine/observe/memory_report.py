@@ -55,9 +55,11 @@ def resident_parts(engine, device: torch.device) -> dict:
     resident_grads = getattr(opt, "grad_partitions_flat_buffer", None)  # ZeRO-3
     if resident_grads is not None:
         parts["gradients"] = _bytes([resident_grads], device, seen)
-    else:  # ZeRO-1/2: what each backward allocates for this rank's partition
+    elif hasattr(opt, "params_in_partition"):  # ZeRO-1/2: what each backward allocates for this rank's partition
         size = torch.tensor([], dtype=getattr(opt, "dtype", torch.float32)).element_size()
-        parts["gradients"] = size * sum(p.numel() for g in getattr(opt, "params_in_partition", []) for p in g)
+        parts["gradients"] = size * sum(p.numel() for g in opt.params_in_partition for p in g)
+    else:  # ZeRO-0: each parameter's own .grad, made during backward
+        parts["gradients"] = sum(p.numel() * p.element_size() for g in inner.param_groups for p in g["params"])
     parts["gradients_resident"] = resident_grads is not None
     return parts
 

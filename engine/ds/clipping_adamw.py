@@ -1,0 +1,43 @@
+"""ClippingAdamW: torch's fused AdamW on the parameters and their own .grad, the clip folded into its kernel.
+
+deepspeed=zero0 (one rank, master weights in the model's dtype) hands DeepSpeed this optimizer with ZeRO off, and
+the gradients live where autograd puts them, as in a plain torch loop: they grow layer by layer during backward
+while the recompute checkpoints are freed. ZeRO-2 on one rank (DeepSpeed 0.19.8) allocates its whole flat gradient
+partition at the first gradient of the backward, while every checkpoint is still alive, and copies it once more
+into a second flat tensor for the step: on the H200 that put the 16k step's peak 1.5 GiB over HF + Liger's
+(docs/benchmarks.md, section AI). No library optimizer clips by the global norm inside its step; DeepSpeed's
+non-ZeRO clip (clip_fp32_gradients) is a separate pass over every gradient that reads the norm back to the host.
+Here the norm is one multi-tensor pass and the clip coefficient a device scalar that torch's fused AdamW divides
+each gradient by in-kernel (`grad_scale`, the hook GradScaler uses), so the step never syncs the host.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class ClippingAdamW(torch.optim.AdamW):
+    """AdamW(fused=True) that clips by the global gradient norm as DeepSpeed does: every gradient divided by
+    max(1, (norm + 1e-6) / clip) (a non-finite norm clips as an infinite one); `_global_grad_norm` (before clipping)
+    is where DeepSpeed's engine reads the norm after the step. `clip` = 0 turns clipping off."""
+
+    def __init__(self, params, clip: float, **kwargs):
+        super().__init__(params, fused=True, **kwargs)
+        self.clip = float(clip)
+        self._global_grad_norm = None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+        device = grads[0].device if grads else self.param_groups[0]["params"][0].device
+        if grads:
+            # fp32 per-tensor norms (bf16 ones would round to 8 bits), their squares summed in fp64 as DeepSpeed does
+            norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
+            norm = torch.stack(norms).double().pow(2).sum().sqrt().float()
+        else:
+            norm = torch.zeros((), dtype=torch.float32, device=device)
+        self._global_grad_norm = norm
+        self.grad_scale = None
+        if self.clip > 0.0:
+            finite = torch.where(torch.isfinite(norm), norm, torch.full_like(norm, float("inf")))
+            self.grad_scale = torch.clamp((finite + 1e-6) / self.clip, min=1.0)
+        return super().step(closure)

@@ -1,0 +1,94 @@
+"""deepspeed=zero0: one rank, no ZeRO, torch's fused AdamW on the parameters (engine/ds/clipping_adamw.py).
+
+Its reference is the ZeRO-2 run of the same config at world 1 (itself checked against stock HF + torch AdamW in
+tests/test_engine.py): loss and grad_norm at every step agree to fp32 rel 1e-5, so the updates do too. The optimizer
+alone is checked against torch's own clip_grad_norm_ + AdamW."""
+import pytest
+import torch
+
+from configs import ConfigError, compose_config, validate
+from engine.ds.clipping_adamw import ClippingAdamW
+from test_engine import BASE, assert_same_trajectory, train
+
+RTOL = 1e-5
+W1 = ["parallelism.cp=1"]
+
+
+@pytest.mark.parametrize("extra", [
+    ["trainer.grad_clip=0.3"],  # the norm is ~2.2: the clip divides every update's gradient
+    ["trainer.grad_clip=0", "trainer.micro_batch_size=2"],  # no clip; two micro-batches accumulate in .grad
+    ["model.arch.tie_word_embeddings=true", "trainer.micro_batch_size=1"],  # one tensor, two uses, four micro-batches
+], ids=["clipped", "unclipped_gas2", "tied_gas4"])
+def test_zero0_follows_the_zero2_trajectory_at_world_1(tmp_path, extra):
+    ref = train(tmp_path, "zero2", 1, W1 + ["deepspeed=zero2"] + extra)
+    assert len({r["loss"] for r in ref}) == 5  # the model trains: losses change every step
+    got = train(tmp_path, "zero0", 1, W1 + ["deepspeed=zero0"] + extra)
+    assert_same_trajectory(got, ref, f"zero0 {extra}")
+
+
+def test_zero0_resumes_the_same_trajectory_and_exports_its_checkpoint(tmp_path):
+    from transformers import AutoModelForCausalLM
+    from engine.checkpoints.export import export_hf_from_checkpoint
+    extra = W1 + ["deepspeed=zero0"]
+    full = train(tmp_path, "full", 1, extra + ["trainer.export_hf=true", "trainer.save_at_end=true"])
+    first = train(tmp_path, "resumed", 1, extra + ["trainer.save_every=3", "trainer.stop_after_steps=3"])
+    assert [r["step"] for r in first] == [1, 2, 3]
+    both = train(tmp_path, "resumed", 1, extra)
+    assert [r["step"] for r in both] == [1, 2, 3, 4, 5]
+    for got, ref in zip(both[3:], full[3:]):  # Adam's moments and step count came back with the weights
+        assert got["loss"] == ref["loss"] and got["grad_norm"] == ref["grad_norm"], (got, ref)
+    run_export = AutoModelForCausalLM.from_pretrained(tmp_path / "full" / "hf_export").state_dict()
+    from_ckpt = AutoModelForCausalLM.from_pretrained(export_hf_from_checkpoint(tmp_path / "full")).state_dict()
+    assert run_export.keys() == from_ckpt.keys()
+    for key, value in run_export.items():
+        assert torch.equal(from_ckpt[key], value), key
+
+
+def _params(seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(shape, generator=g)) for shape in ((7, 5), (5,), (3, 4, 2))]
+
+
+@pytest.mark.parametrize("clip", [0.0, 0.5, 100.0])
+def test_clipping_adamw_is_torch_clip_then_adamw(clip):
+    ours, ref = _params(0), _params(0)
+    kw = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    opt, ref_opt = ClippingAdamW(ours, clip, **kw), torch.optim.AdamW(ref, **kw)
+    for step in range(3):
+        g = torch.Generator().manual_seed(10 + step)
+        for p, q in zip(ours, ref):
+            p.grad = torch.randn(p.shape, generator=g) * 3
+            q.grad = p.grad.clone()
+        want_norm = torch.linalg.vector_norm(torch.stack([q.grad.norm() for q in ref]))
+        if clip:
+            torch.nn.utils.clip_grad_norm_(ref, clip)  # the same max(1, (norm + 1e-6) / clip) as DeepSpeed
+        opt.step()
+        ref_opt.step()
+        assert float(opt._global_grad_norm) == pytest.approx(float(want_norm), rel=1e-6)
+        for p, q in zip(ours, ref):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+def test_a_non_finite_gradient_shows_in_the_norm():
+    params = _params(1)
+    opt = ClippingAdamW(params, 1.0, lr=1e-3)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    params[1].grad[0] = float("nan")
+    opt.step()
+    assert not torch.isfinite(opt._global_grad_norm)  # the loop's on_nonfinite=abort reads this norm
+
+
+@pytest.mark.parametrize("extra,world,match", [
+    ([], 2, r"deepspeed=zero0 runs on one rank only \(got a world of 2\)"),
+    (["precision=bf16"], 1, r"master weights are the model's bf16 .* set deepspeed.master_weights=bf16"),
+    (["trainer.on_nonfinite=skip"], 1, r"on_nonfinite=skip needs DeepSpeed's ZeRO overflow check"),
+    (["deepspeed.offload_optimizer=true"], 1, r"deepspeed=zero0 keeps everything on the device"),
+])
+def test_zero0_refusals_name_the_fix(extra, world, match):
+    cfg = compose_config(BASE + ["parallelism.cp=1", "deepspeed=zero0"] + extra)
+    with pytest.raises(ConfigError, match=match):
+        validate(cfg, world)
+    if extra == ["precision=bf16"]:  # with the master weights it names, the same run validates
+        validate(compose_config(BASE + ["parallelism.cp=1", "deepspeed=zero0", "precision=bf16",
+                                        "deepspeed.master_weights=bf16"]), 1)
