@@ -95,6 +95,8 @@ def test_state_bytes_per_parameter():
     assert 2 + 6 / 4 == per_param(zero_stage=2, world=4, master_weights="bf16")  # ZeRO-2 keeps the weights whole
     assert 10 / 4 == per_param(zero_stage=3, world=4, master_weights="bf16")  # ZeRO-3: no sharing, all partitioned
     assert 16 / 4 == per_param(zero_stage=3, world=4, master_weights="fp32")
+    # deepspeed=zero0: the weights are the master, and only a share of the gradients is alive at the peak (AJ/AK)
+    assert 2 + 4 + 2 * 0.2 == per_param(zero_stage=0, master_weights="bf16")
 
 
 def test_a_rows_memory_overrides_reach_the_policy_as_a_runs_do():

@@ -173,7 +173,7 @@ class RunShape:
     cp: int = 1
     world: int = 1
     micro_batch: int = 1
-    zero_stage: int = 3
+    zero_stage: int = 3  # 0: deepspeed=zero0 (one rank, gradients in each parameter's .grad)
     master_weights: str = "fp32"  # deepspeed.master_weights
     # ZeRO-1/2's bf16 master partition shares the weights' storage (engine/ds/patches.share_master_weights); False
     # only for calibration rows measured before that existed, when it was a separate copy
@@ -274,6 +274,9 @@ def _is_moe_layer(s: ModelShape) -> list[bool]:
     return [i >= s.dense_layers for i in range(s.layers)]  # which ones does not matter to the sums
 
 
+ZERO0_GRAD_SHARE = 0.2
+
+
 def _state_bytes(s: ModelShape, run: RunShape) -> float:
     """Bytes of weights, master weights, gradients and Adam moments (bf16 weights: RunShape has no precision, and an
     fp32 run's 4 + 0 + 4 + 8 at ZeRO-1/2 totals the same 16 as bf16 weights with an fp32 master)."""
@@ -281,6 +284,12 @@ def _state_bytes(s: ModelShape, run: RunShape) -> float:
     master = 2 if run.master_weights == "bf16" else 4
     adam = 2 * master  # two moments in the master's dtype
     grads = 2  # DeepSpeed keeps them in the weights' dtype, fp32 master or not (measured: 2.30 GiB for 1.24B)
+    if run.zero_stage == 0:
+        # ZeRO-0's gradients are made layer by layer as the checkpoints are freed, where ZeRO-2 allocates its whole
+        # flat partition at the backward's start: at the peak only a share of them is alive. Measured (one H200,
+        # docs/benchmarks.md AJ/AK): 0.66-0.97 of the gradient bytes under ZeRO-2's peak at 16k-64k (dense), 0.81
+        # (MoE, 16k); the share counted here is the rest, rounded
+        grads = 2 * ZERO0_GRAD_SHARE
     if master == 2 and run.zero_stage <= 2 and run.shared_master:
         master = 0  # the master partition is the weights' own slice
     if run.zero_stage == 3 and run.world > 1:

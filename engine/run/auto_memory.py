@@ -116,7 +116,9 @@ def _installed(module: str) -> bool:
 
 def run_shape(cfg: TrainConfig, world_size: int, ranks_per_node: int, on_gpu: bool = True,
               seq_len: Optional[int] = None) -> RunShape:
-    zero = cfg.deepspeed.zero_stage if (world_size > 1 or cfg.deepspeed.offload_param) else 2
+    # one rank runs ZeRO-3 as ZeRO-2 unless it offloads parameters (engine/ds/config.py); ZeRO-0 stays itself
+    zero = cfg.deepspeed.zero_stage if (world_size > 1 or cfg.deepspeed.offload_param or
+                                        cfg.deepspeed.zero_stage == 0) else 2
     return RunShape(seq_len=seq_len or cfg.data.seq_len, cp=cfg.parallelism.cp, world=world_size,
                     micro_batch=cfg.trainer.micro_batch_size, zero_stage=zero,
                     master_weights=cfg.deepspeed.master_weights if cfg.precision == "bf16" else "fp32",
@@ -244,7 +246,8 @@ def calibration_case(row: dict) -> tuple[ModelShape, RunShape, Policy]:
         raise KeyError(f"calibration row memory_overrides: {sorted(unknown)} are not MemoryConfig fields")
     fields.update(row.get("memory_overrides", {}))
     world = row.get("world", 1)
-    run = RunShape(seq_len=row["seq_len"], cp=row["cp"], world=world, zero_stage=3 if world > 1 else 2,
+    run = RunShape(seq_len=row["seq_len"], cp=row["cp"], world=world,
+                   zero_stage=row.get("zero_stage", 3 if world > 1 else 2),
                    master_weights=row["master_weights"], attn_backend=row["attn_backend"], kernels=row["kernels"],
                    moe_recompute=row["moe_recompute"], moe_group=row.get("moe_group", 1),
                    shared_master=row.get("shared_master", True))
