@@ -92,3 +92,11 @@ def test_zero0_refusals_name_the_fix(extra, world, match):
     if extra == ["precision=bf16"]:  # with the master weights it names, the same run validates
         validate(compose_config(BASE + ["parallelism.cp=1", "deepspeed=zero0", "precision=bf16",
                                         "deepspeed.master_weights=bf16"]), 1)
+
+
+def test_a_zero0_checkpoint_on_more_ranks_is_refused_before_the_build_with_the_export_route(tmp_path):
+    train(tmp_path, "one", 1, W1 + ["deepspeed=zero0", "trainer.save_every=2", "trainer.stop_after_steps=2"])
+    with pytest.raises(Exception, match=r"holds deepspeed=zero0 optimizer state .* scripts/export_hf.py"):
+        train(tmp_path, "one", 2, ["parallelism.cp=2"])
+    with pytest.raises(Exception, match=r"holds deepspeed=zero0 optimizer state .*this run has 1 rank\(s\) at ZeRO-2"):
+        train(tmp_path, "one", 1, W1 + ["deepspeed=zero2"])  # nor into ZeRO-2 on the same rank

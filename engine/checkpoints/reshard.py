@@ -70,9 +70,11 @@ def needs_reshard(out_dir: Path, tag: str, layout: dict, allowed: bool) -> dict 
     why = ("trainer.reshard_on_resume=false" if not allowed else
            "a checkpoint is re-partitioned only into ZeRO-3 (DeepSpeed's universal format did not load into ZeRO-2 "
            "in our tests)")
+    held = (f"ZeRO-{saved['zero_stage']} optimizer state partitioned over {saved['world_size']} rank(s)"
+            if saved["zero_stage"] else "deepspeed=zero0 optimizer state (one rank's, not partitioned: DeepSpeed's "
+            "universal conversion reads ZeRO partitions only)")
     raise RuntimeError(
-        f"checkpoint {path} holds ZeRO-{saved['zero_stage']} optimizer state partitioned over "
-        f"{saved['world_size']} rank(s); this run has {layout['world_size']} rank(s) at ZeRO-{layout['zero_stage']}, "
+        f"checkpoint {path} holds {held}; this run has {layout['world_size']} rank(s) at ZeRO-{layout['zero_stage']}, "
         f"and {why}. Resume on {saved['world_size']} rank(s) with the same deepspeed preset (parallelism.cp may "
         "change: the trajectory stays exact), or start a new run.out_dir from the weights alone (the optimizer "
         f"state starts fresh): `python scripts/export_hf.py {out_dir} --tag {tag}`, then model.source=pretrained "
