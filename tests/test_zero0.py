@@ -100,3 +100,14 @@ def test_a_zero0_checkpoint_on_more_ranks_is_refused_before_the_build_with_the_e
         train(tmp_path, "one", 2, ["parallelism.cp=2"])
     with pytest.raises(Exception, match=r"holds deepspeed=zero0 optimizer state .*this run has 1 rank\(s\) at ZeRO-2"):
         train(tmp_path, "one", 1, W1 + ["deepspeed=zero2"])  # nor into ZeRO-2 on the same rank
+
+
+def test_the_readme_one_gpu_zero0_line_validates_at_world_1():
+    from pathlib import Path
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    start = text.index("deepspeed --num_gpus 1 --no_local_rank scripts/train.py")
+    line = text[start:text.index("\n\n", start)].replace("\\\n", " ")
+    overrides = line.split("scripts/train.py", 1)[1].split()
+    assert "deepspeed=zero0" in overrides
+    plan = validate(compose_config(overrides), world_size=1)
+    assert (plan.zero_stage, plan.cp, plan.seq_len) == (0, 1, 32768)
