@@ -94,11 +94,6 @@ def check_zero0(cfg: "TrainConfig", world_size: int) -> None:
         f"{model_dtype} (got deepspeed.master_weights={cfg.deepspeed.master_weights} with precision={cfg.precision}); "
         f"set deepspeed.master_weights={model_dtype}, or use deepspeed=zero2 for an fp32 master copy",
     )
-    require(
-        cfg.trainer.on_nonfinite != "skip",
-        "trainer.on_nonfinite=skip needs DeepSpeed's ZeRO overflow check (deepspeed=zero2 or zero3); deepspeed=zero0 "
-        "supports trainer.on_nonfinite=abort",
-    )
 
 
 def check_parallelism(cfg: "TrainConfig", world_size: int) -> int:

@@ -54,8 +54,12 @@ def test_abort_stops_every_rank_at_the_first_nonfinite_step_and_saves_nothing_af
 
 
 # DeepSpeed skips by the gradient norm on ZeRO-3 and in fp32; its bf16 ZeRO-2 path needs the per-tensor scan
+# (deepspeed=zero0 by its own optimizer's found_inf, engine/ds/clipping_adamw.py)
 @pytest.mark.parametrize("world, layout", [(1, ["precision=bf16", "deepspeed=zero2", "parallelism.cp=1"]),
-                                           (2, ["parallelism.cp=2"])], ids=["bf16_zero2_w1", "fp32_zero3_cp2"])
+                                           (2, ["parallelism.cp=2"]),
+                                           (1, ["precision=bf16", "deepspeed=zero0", "deepspeed.master_weights=bf16",
+                                                "parallelism.cp=1"])],
+                         ids=["bf16_zero2_w1", "fp32_zero3_cp2", "bf16_zero0_w1"])
 def test_skip_drops_overflowing_steps_and_reports_each(tmp_path, world, layout):
     rows, notes, out = _train(tmp_path, "skip", world, layout + ["trainer.on_nonfinite=skip", "trainer.export_hf=true"]
                               + BLOW_UP)

@@ -82,7 +82,6 @@ def test_a_non_finite_gradient_shows_in_the_norm():
 @pytest.mark.parametrize("extra,world,match", [
     ([], 2, r"deepspeed=zero0 runs on one rank only \(got a world of 2\)"),
     (["precision=bf16"], 1, r"master weights are the model's bf16 .* set deepspeed.master_weights=bf16"),
-    (["trainer.on_nonfinite=skip"], 1, r"on_nonfinite=skip needs DeepSpeed's ZeRO overflow check"),
     (["deepspeed.offload_optimizer=true"], 1, r"deepspeed=zero0 keeps everything on the device"),
 ])
 def test_zero0_refusals_name_the_fix(extra, world, match):
@@ -111,3 +110,24 @@ def test_the_readme_one_gpu_zero0_line_validates_at_world_1():
     assert "deepspeed=zero0" in overrides
     plan = validate(compose_config(overrides), world_size=1)
     assert (plan.zero_stage, plan.cp, plan.seq_len) == (0, 1, 32768)
+
+
+def test_skip_nonfinite_leaves_weights_moments_and_step_count_and_tells_deepspeed():
+    params = _params(2)
+    opt = ClippingAdamW(params, 1.0, skip_nonfinite=True, lr=1e-2)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert opt.overflow is False
+    before = [p.detach().clone() for p in params]
+    state = [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
+    params[2].grad[0, 0, 0] = float("inf")
+    opt.step()
+    assert opt.overflow is True  # DeepSpeed's engine then counts a skipped step and holds the lr schedule
+    for p, b, st in zip(params, before, state):
+        assert torch.equal(p, b)
+        for k, v in st.items():
+            assert torch.equal(opt.state[p][k], v), k
+    params[2].grad[0, 0, 0] = 1.0
+    opt.step()
+    assert opt.overflow is False and not torch.equal(params[0], before[0])

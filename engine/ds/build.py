@@ -124,8 +124,9 @@ def build(cfg: TrainConfig, plan: Plan, topo: Topology, device: torch.device, lo
     optimizer = None
     if stage == 0:  # one rank, no ZeRO: the optimizer steps the parameters and clips inside its fused kernel
         p = optimizer_params(cfg)
-        optimizer = ClippingAdamW(model.parameters(), cfg.trainer.grad_clip, lr=p["lr"], betas=tuple(p["betas"]),
-                                  eps=p["eps"], weight_decay=p["weight_decay"])
+        optimizer = ClippingAdamW(model.parameters(), cfg.trainer.grad_clip,
+                                  skip_nonfinite=cfg.trainer.on_nonfinite == "skip", lr=p["lr"],
+                                  betas=tuple(p["betas"]), eps=p["eps"], weight_decay=p["weight_decay"])
     elif "optimizer" not in ds_dict:
         p = optimizer_params(cfg)
         # fused: one kernel over DeepSpeed's flat fp32 partition instead of a chain of foreach passes (the

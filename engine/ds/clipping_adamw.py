@@ -18,12 +18,20 @@ import torch
 class ClippingAdamW(torch.optim.AdamW):
     """AdamW(fused=True) that clips by the global gradient norm as DeepSpeed does: every gradient divided by
     max(1, (norm + 1e-6) / clip) (a non-finite norm clips as an infinite one); `_global_grad_norm` (before clipping)
-    is where DeepSpeed's engine reads the norm after the step. `clip` = 0 turns clipping off."""
+    is where DeepSpeed's engine reads the norm after the step. `clip` = 0 turns clipping off.
 
-    def __init__(self, params, clip: float, **kwargs):
+    `skip_nonfinite` (trainer.on_nonfinite=skip): a step whose norm is inf/NaN changes no weight, moment or step
+    count (torch's fused kernel skips on `found_inf`, GradScaler's flag), and `overflow` tells DeepSpeed's engine, as
+    its ZeRO optimizers do, so that it counts a skipped step and leaves the lr schedule where it was. That flag is a
+    Python bool: one host sync per step, paid only under skip (ZeRO-2's overflow scan syncs too)."""
+
+    def __init__(self, params, clip: float, skip_nonfinite: bool = False, **kwargs):
         super().__init__(params, fused=True, **kwargs)
         self.clip = float(clip)
+        self.skip_nonfinite = skip_nonfinite
         self._global_grad_norm = None
+        if skip_nonfinite:
+            self.overflow = False
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -37,6 +45,9 @@ class ClippingAdamW(torch.optim.AdamW):
             norm = torch.zeros((), dtype=torch.float32, device=device)
         self._global_grad_norm = norm
         self.grad_scale = None
+        if self.skip_nonfinite:
+            self.found_inf = (~torch.isfinite(norm)).float()
+            self.overflow = bool(self.found_inf)
         if self.clip > 0.0:
             finite = torch.where(torch.isfinite(norm), norm, torch.full_like(norm, float("inf")))
             self.grad_scale = torch.clamp((finite + 1e-6) / self.clip, min=1.0)
