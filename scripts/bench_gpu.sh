@@ -36,6 +36,11 @@
 #   kernels_short  Llama-3.2-1B shape at $SHORT_POINTS (default 16k and 32k, full_recompute, bf16 master weights): ours
 #                with each model.kernels of $KERNELS (default "liger none"; $DS: the deepspeed preset, default zero3, e.g.
 #                zero0), then HF + Liger ($SHORT_ANCHORS)
+#   equal_memory the Llama-3.2-1B shape at HF + Liger's memory, one GPU: ours with deepspeed=zero0 (bf16 master weights,
+#                model.kernels=liger) at $EQ_POINTS (default 16k/32k/64k, except_attention_offload: attention is never
+#                recomputed, its saved tensors and the layer inputs, memory.offload_activations=true, go to pinned host
+#                memory) for each attention backend of $EQ_BACKENDS (default "sdpa fa4": fa4 after the FA4 recipe's
+#                site_fa4 site_cu13), then HF + Liger at the same lengths. About 8 min
 #   loss_head    the loss head alone at 16k and 32k tokens, Llama-3's vocabulary, bf16 forward + backward: ours against
 #                Liger-Kernel's fused linear cross-entropy (bf16 and fp32 weight-gradient accumulation), with each one's
 #                weight-gradient error against fp32 (scripts/bench_loss.py); $OUT/loss_head.jsonl
@@ -138,6 +143,13 @@ for part in ${*:-attn train_short train_long}; do
                        --steps 4 --deepspeed ${DS:-zero3} deepspeed.master_weights=bf16 model.kernels=$k ${EXTRA:-}; done
                    python3 scripts/bench_train.py --points ${SHORT_POINTS:-16384:full_recompute,32768:full_recompute} \
                      --steps 4 --anchors ${SHORT_ANCHORS:-hf+liger} --order anchors-first --no-ours ;;
+    equal_memory) pts=${EQ_POINTS:-16384:except_attention_offload,32768:except_attention_offload,65536:except_attention_offload}
+                  for be in ${EQ_BACKENDS:-sdpa fa4}; do
+                    python3 scripts/bench_train.py --points $pts --steps 4 --deepspeed zero0 deepspeed.master_weights=bf16 \
+                      model.kernels=liger memory.offload_activations=true model.attn_backend=$be ${EXTRA:-} | grep RESULT | cut -c1-900
+                  done
+                  python3 scripts/bench_train.py --points $pts --steps 4 --anchors hf+liger --order anchors-first --no-ours \
+                    | grep RESULT | cut -c1-900 ;;
     loss_head) python3 scripts/bench_loss.py --tokens ${LOSS_TOKENS:-16384,32768} | tee -a "$OUT/loss_head.jsonl" ;;
     track_loss) tp=${TRACK_POINT:-8192:full_recompute}
                 for k in liger none control; do
