@@ -131,3 +131,18 @@ def test_skip_nonfinite_leaves_weights_moments_and_step_count_and_tells_deepspee
     params[2].grad[0, 0, 0] = 1.0
     opt.step()
     assert opt.overflow is False and not torch.equal(params[0], before[0])
+
+
+@pytest.mark.parametrize("balance", ["aux", "bias"])
+def test_zero0_follows_zero2_on_an_moe_model(tmp_path, balance):
+    """The balance statistics, the aux loss (balance=aux) and the router-bias update after each step (balance=bias)
+    are the model's: ZeRO-0 must leave them as ZeRO-2 does."""
+    from test_moe_engine import assert_same, train as train_moe
+    extra = W1 + ["model=tiny_moe", f"moe.balance={balance}"]
+    if balance == "bias":  # BASE's aux coefficient back to the default: balance=bias never reads it
+        extra += ["moe.bias_update_rate=0.01", "moe.aux_loss_coef=1e-3"]
+    ref = train_moe(tmp_path, "zero2", 1, extra + ["deepspeed=zero2"])
+    got = train_moe(tmp_path, "zero0", 1, extra + ["deepspeed=zero0"])
+    assert len({r["loss"] for r in ref}) == 5
+    keys = ("loss", "grad_norm", "moe_imbalance") + (("moe_aux_loss",) if balance == "aux" else ())
+    assert_same(got, ref, f"zero0 vs zero2, MoE balance={balance}", keys=keys)
