@@ -71,6 +71,8 @@ CONDITIONAL: dict[str, Rule] = {
                                                          "deepspeed.zero_stage=3", warn=True),
     "deepspeed.stage3_prefetch_bucket_size": Rule(lambda c: c.deepspeed.zero_stage == 3, "deepspeed.zero_stage=3",
                                                   warn=True),
+    **{f"deepspeed.{k}": Rule(lambda c: c.deepspeed.zero_stage != 0, "deepspeed=zero2 or zero3", warn=True)
+       for k in ("overlap_comm", "contiguous_gradients", "reduce_bucket_size")},  # ZeRO's buffers; zero0 has none
     "moe.dispatcher": Rule(_always, "", moe=True),
     "moe.balance": Rule(_always, "", moe=True),
     "moe.aux_loss_coef": Rule(lambda c: c.moe.balance == "aux", "moe.balance=aux", moe=True),
@@ -91,8 +93,7 @@ UNCONDITIONAL = (
     "model.name", "model.family", "model.source", "model.arch", "model.attn_backend", "model.kernels",
     "data.source", "data.seq_len", "data.eval_samples", "data.eval_path", "data.padding_side", "data.pack",
     "parallelism.cp", "parallelism.ring", "parallelism.ep", "parallelism.tp",
-    "deepspeed.zero_stage", "deepspeed.offload_optimizer", "deepspeed.offload_param", "deepspeed.overlap_comm",
-    "deepspeed.contiguous_gradients", "deepspeed.reduce_bucket_size", "deepspeed.master_weights",
+    "deepspeed.zero_stage", "deepspeed.offload_optimizer", "deepspeed.offload_param", "deepspeed.master_weights",
     "trainer.max_steps", "trainer.global_batch_size", "trainer.micro_batch_size", "trainer.lr", "trainer.lr_decay",
     "trainer.warmup_steps", "trainer.weight_decay", "trainer.adam_beta1", "trainer.adam_beta2", "trainer.adam_eps",
     "trainer.grad_clip", "trainer.on_nonfinite", "trainer.gc_every", "trainer.eval_every", "trainer.save_every",

@@ -146,3 +146,4 @@ def test_zero0_follows_zero2_on_an_moe_model(tmp_path, balance):
     assert len({r["loss"] for r in ref}) == 5
     keys = ("loss", "grad_norm", "moe_imbalance") + (("moe_aux_loss",) if balance == "aux" else ())
     assert_same(got, ref, f"zero0 vs zero2, MoE balance={balance}", keys=keys)
+
