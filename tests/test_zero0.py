@@ -93,12 +93,25 @@ def test_zero0_refusals_name_the_fix(extra, world, match):
                                         "deepspeed.master_weights=bf16"]), 1)
 
 
-def test_a_zero0_checkpoint_on_more_ranks_is_refused_before_the_build_with_the_export_route(tmp_path):
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_a_zero0_checkpoint_resumes_on_two_ranks_exactly(tmp_path, tied):
+    """1 rank (zero0) -> 2 ranks (ZeRO-3, cp=2): the module state and the torch optimizer's moments become
+    DeepSpeed's universal folder (engine/checkpoints/reshard.py), and the trajectory continues the uninterrupted
+    2-rank run's. A tied weight has one optimizer entry under two state names."""
+    extra = ["model.arch.tie_word_embeddings=true"] if tied else []
+    ref = train(tmp_path, "ref", 2, ["parallelism.cp=2"] + extra)
+    train(tmp_path, "one", 1, W1 + extra + ["deepspeed=zero0", "trainer.save_every=2", "trainer.stop_after_steps=2"])
+    got = train(tmp_path, "one", 2, ["parallelism.cp=2"] + extra)
+    assert [r["step"] for r in got] == [1, 2, 3, 4, 5]
+    assert_same_trajectory(got, ref, f"zero0 on 1 rank, resumed on 2 (tied={tied})")
+    assert not (tmp_path / "one" / "checkpoints" / "universal").exists()  # the converted copy is deleted
+
+
+def test_a_zero0_checkpoint_under_zero2_is_refused_before_the_build_with_the_export_route(tmp_path):
     train(tmp_path, "one", 1, W1 + ["deepspeed=zero0", "trainer.save_every=2", "trainer.stop_after_steps=2"])
-    with pytest.raises(Exception, match=r"holds deepspeed=zero0 optimizer state .* scripts/export_hf.py"):
-        train(tmp_path, "one", 2, ["parallelism.cp=2"])
-    with pytest.raises(Exception, match=r"holds deepspeed=zero0 optimizer state .*this run has 1 rank\(s\) at ZeRO-2"):
-        train(tmp_path, "one", 1, W1 + ["deepspeed=zero2"])  # nor into ZeRO-2 on the same rank
+    with pytest.raises(Exception, match=r"holds deepspeed=zero0 optimizer state .*this run has 1 rank\(s\) at "
+                                        r"ZeRO-2.* scripts/export_hf.py"):
+        train(tmp_path, "one", 1, W1 + ["deepspeed=zero2"])  # DeepSpeed's universal format loads into ZeRO-3 only
 
 
 def test_the_readme_one_gpu_zero0_line_validates_at_world_1():
@@ -147,3 +160,13 @@ def test_zero0_follows_zero2_on_an_moe_model(tmp_path, balance):
     keys = ("loss", "grad_norm", "moe_imbalance") + (("moe_aux_loss",) if balance == "aux" else ())
     assert_same(got, ref, f"zero0 vs zero2, MoE balance={balance}", keys=keys)
 
+
+
+def test_an_moe_zero0_checkpoint_resumes_on_two_ranks_with_its_router_bias(tmp_path):
+    """The routers' bias is a buffer (moe.balance=bias): not an optimizer entry, restored from the model state."""
+    from test_moe_engine import assert_same, train as train_moe
+    extra = ["model=tiny_moe", "moe.balance=bias", "moe.bias_update_rate=0.01", "moe.aux_loss_coef=1e-3"]
+    ref = train_moe(tmp_path, "ref", 2, extra + ["parallelism.cp=2"])
+    train_moe(tmp_path, "one", 1, extra + W1 + ["deepspeed=zero0", "trainer.save_every=2", "trainer.stop_after_steps=2"])
+    got = train_moe(tmp_path, "one", 2, extra + ["parallelism.cp=2"])
+    assert_same(got, ref, "MoE zero0 on 1 rank, resumed on 2", keys=("loss", "grad_norm", "moe_imbalance"))
