@@ -82,7 +82,8 @@
 #                stage. Each stage's metrics.jsonl, retrieval.json and .png go to $OUT as one tar (fewer files);
 #                a stage that fails stops the chain (the next would read a missing or an earlier call's export)
 #   gpu_tests    the suite's GPU-only tests (skipped on CPU): tests/test_gpu_paths.py (the fused ring kernel, the
-#                packed and sink SDPA paths, bf16 against exact references) and GPT-OSS's grouped_mm experts;
+#                packed and sink SDPA paths, bf16 against exact references), GPT-OSS's grouped_mm experts and
+#                deepspeed=zero0's optimizer on CUDA;
 #                the log is $OUT/gpu_tests.txt. Run it before measuring those paths. After site_fa4 site_cu13
 #                (the FA4 recipe below) it also checks FA4's varlen, window and sink arguments
 #   bg_1m_start  the full 16-layer 1M step ($BG_POINT, default 1048576:long_context; $BG_ARGS: more bench_train
@@ -199,7 +200,8 @@ for name, a in zip(('liger', 'control'), runs):
                [ $rc -eq 0 ] || { echo "passkey: $name failed (rc=$rc, $OUT/$name.log); later stages not run"; break; }
              done ;;
     gpu_tests) { python3 -m pytest -q -rs -p no:cacheprovider tests/test_gpu_paths.py
-                 python3 -m pytest -q -rs -p no:cacheprovider tests/test_moe_gpt_oss.py -k grouped; } 2>&1 \
+                 python3 -m pytest -q -rs -p no:cacheprovider tests/test_moe_gpt_oss.py -k grouped
+                 python3 -m pytest -q -rs -p no:cacheprovider tests/test_zero0.py -k "clips_and_skips and cuda"; } 2>&1 \
                  | tee "$OUT/gpu_tests.txt" | tail -30 ;;
     *) echo "unknown part $part" ;;
   esac

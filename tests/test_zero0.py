@@ -170,3 +170,36 @@ def test_an_moe_zero0_checkpoint_resumes_on_two_ranks_with_its_router_bias(tmp_p
     train_moe(tmp_path, "one", 1, extra + W1 + ["deepspeed=zero0", "trainer.save_every=2", "trainer.stop_after_steps=2"])
     got = train_moe(tmp_path, "one", 2, extra + ["parallelism.cp=2"])
     assert_same(got, ref, "MoE zero0 on 1 rank, resumed on 2", keys=("loss", "grad_norm", "moe_imbalance"))
+
+
+
+def _clip_and_skip_in_bf16(device):
+    from engine.ds.clipping_adamw import ClippingAdamW
+    g = torch.Generator(device=device).manual_seed(0)
+    shapes = ((256, 128), (128,), (64, 32, 8))
+    ours = [torch.nn.Parameter(torch.randn(s, generator=g, device=device).bfloat16()) for s in shapes]
+    ref = [torch.nn.Parameter(p.detach().float().clone()) for p in ours]
+    kw = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    opt, ref_opt = ClippingAdamW(ours, 0.5, skip_nonfinite=True, **kw), torch.optim.AdamW(ref, **kw)
+    for step in range(3):
+        for p, q in zip(ours, ref):
+            p.grad = (torch.randn(p.shape, generator=g, device=device) * 3).bfloat16()
+            q.grad = p.grad.float()
+        torch.nn.utils.clip_grad_norm_(ref, 0.5)
+        opt.step()
+        ref_opt.step()
+        assert opt.overflow is False
+        for p, q in zip(ours, ref):  # bf16 weights and moments against fp32 ones: bf16 tolerance
+            assert float((p.float() - q).norm() / q.norm()) < 2e-2, step
+    before = [p.detach().clone() for p in ours]
+    ours[0].grad[0, 0] = float("nan")
+    opt.step()
+    assert opt.overflow is True and all(torch.equal(p, b) for p, b in zip(ours, before))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA only: the device's build of the fused kernel"))])
+def test_zero0_optimizer_clips_and_skips_in_bf16(device):
+    """deepspeed=zero0's ClippingAdamW on bf16 parameters, as a bf16 run uses it: the clip as a device scalar inside
+    torch's fused kernel against torch's clip_grad_norm_ + AdamW on fp32 copies, and a non-finite norm skipping."""
+    _clip_and_skip_in_bf16(device)
