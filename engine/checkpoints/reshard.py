@@ -124,7 +124,8 @@ def _zero0_to_universal(src: Path, dst: Path) -> None:
     model = torch.load(src / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
     optim = model["optimizer"]
     if len(optim["param_groups"]) != 1:
-        raise RuntimeError(f"expected the one param group ClippingAdamW is built with, found {len(optim['param_groups'])}")
+        raise RuntimeError(f"expected the one param group ClippingAdamW is built with, found "
+                           f"{len(optim['param_groups'])}")
     group = optim["param_groups"][0]
     # the optimizer's parameters in order: the module state's keys less its buffers and less a tied weight's second
     # name (the same storage; named_parameters, which built the optimizer, yields the first name only)
