@@ -21,6 +21,7 @@ from ..data.tokenizer import tokenizer_of
 from ..ds.build import hf_attn, model_dtype, no_init_weights
 from ..ds.hf_config import hf_config_of
 from . import checkpoint
+from .buffers import MODEL_STATES
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +124,7 @@ def export_hf_from_checkpoint(out_dir: Path, tag: str | None = None, export_dir:
     export_dir = Path(export_dir or out_dir / f"hf_export_{tag}")
     if cfg.deepspeed.zero_stage == 0:
         # deepspeed=zero0 keeps no master partition: the weights are the module state DeepSpeed saved whole
-        state = torch.load(checkpoint.ckpt_root(out_dir) / tag / "mp_rank_00_model_states.pt", map_location="cpu",
+        state = torch.load(checkpoint.ckpt_root(out_dir) / tag / MODEL_STATES[0], map_location="cpu",
                            weights_only=False)["module"]
     else:
         state = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint.ckpt_root(out_dir)), tag=tag)

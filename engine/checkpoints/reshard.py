@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .buffers import restore_from_checkpoint
+from .buffers import MODEL_STATES, restore_from_checkpoint
 from .checkpoint import LAYOUT_FILE, ckpt_root, read_json
 
 log = logging.getLogger(__name__)
@@ -121,7 +121,7 @@ def _zero0_to_universal(src: Path, dst: Path) -> None:
     zero/optimizer_state.pt with the step and the param groups, and the model-state file under both names.
     Values are copied, never recomputed: bf16 weights and moments widen to fp32 and round back exactly on load."""
     from collections import OrderedDict
-    model = torch.load(src / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+    model = torch.load(src / MODEL_STATES[0], map_location="cpu", weights_only=False)
     optim = model["optimizer"]
     if len(optim["param_groups"]) != 1:
         raise RuntimeError(f"expected the one param group ClippingAdamW is built with, found "
@@ -155,7 +155,7 @@ def _zero0_to_universal(src: Path, dst: Path) -> None:
                dst / "zero" / "optimizer_state.pt")
     model.update(optimizer=None, param_shapes=[OrderedDict((n, model["module"][n].shape) for n in names)],
                  frozen_param_shapes={}, shared_params={}, frozen_param_fragments={})
-    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
+    for name in MODEL_STATES:
         torch.save(model, dst / name)
 
 

@@ -20,11 +20,11 @@ from ds_ulysses_ext.moe.parallel import MoESettings, enable_expert_parallel, exp
 
 from ..checkpoints.buffers import restore_from_export
 from ..run.schedule import build_scheduler
+from .clipping_adamw import ClippingAdamW
 from .config import optimizer_params, to_deepspeed_dict
 from .grad_reduction import check_engine
 from .hf_config import hf_config_of
 from .init import init_random_weights
-from .clipping_adamw import ClippingAdamW
 from .patches import mark_expert_parallel, no_reduction_alone, share_master_weights
 
 try:  # transformers >= 5; an older one builds with HF's own init, on the CPU, as before
@@ -121,18 +121,16 @@ def build(cfg: TrainConfig, plan: Plan, topo: Topology, device: torch.device, lo
                  "(engine/ds/config.py)", cfg.deepspeed.zero_stage, stage)
     if stage != 3:
         model.to(device)
-    optimizer = None
+    p = optimizer_params(cfg)
+    adamw = dict(lr=p["lr"], betas=tuple(p["betas"]), eps=p["eps"], weight_decay=p["weight_decay"])
+    optimizer = None  # ZeRO-Offload: DeepSpeed builds its CPU Adam from ds_dict["optimizer"]
     if stage == 0:  # one rank, no ZeRO: the optimizer steps the parameters and clips inside its fused kernel
-        p = optimizer_params(cfg)
         optimizer = ClippingAdamW(model.parameters(), cfg.trainer.grad_clip,
-                                  skip_nonfinite=cfg.trainer.on_nonfinite == "skip", lr=p["lr"],
-                                  betas=tuple(p["betas"]), eps=p["eps"], weight_decay=p["weight_decay"])
+                                  skip_nonfinite=cfg.trainer.on_nonfinite == "skip", **adamw)
     elif "optimizer" not in ds_dict:
-        p = optimizer_params(cfg)
         # fused: one kernel over DeepSpeed's flat fp32 partition instead of a chain of foreach passes (the
         # stock-HF anchor steps with fused=True too); torch has it for CUDA and CPU alike
-        optimizer = torch.optim.AdamW(model.parameters(), lr=p["lr"], betas=tuple(p["betas"]), eps=p["eps"],
-                                      weight_decay=p["weight_decay"], fused=True)
+        optimizer = torch.optim.AdamW(model.parameters(), fused=True, **adamw)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_dict, mpu=topo,
                                       lr_scheduler=build_scheduler(cfg.trainer))
     if stage == 0:

@@ -15,6 +15,23 @@ from __future__ import annotations
 import torch
 
 
+def squared_norm(grads: list, device: torch.device) -> torch.Tensor:
+    """The sum of the gradients' squared L2 norms, an fp32 device scalar, in one multi-tensor pass: fp32 per-tensor
+    norms (bf16 ones would round to 8 bits), their squares summed in fp64 as DeepSpeed sums its own."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
+    return torch.stack(norms).double().pow(2).sum().float()
+
+
+def clip_divisor(norm: torch.Tensor, clip: float, loss_scale: float = 1.0) -> torch.Tensor:
+    """What every gradient is divided by, DeepSpeed's formula as a device scalar: max(1, (norm / loss_scale + 1e-6) /
+    clip) x loss_scale. A non-finite norm, or DeepSpeed's -1 sentinel for one, clips as an infinite norm does."""
+    norm = norm.to(torch.float32)
+    norm = torch.where(torch.isfinite(norm) & (norm >= 0), norm, torch.full_like(norm, float("inf")))
+    return (torch.clamp((norm / loss_scale + 1e-6) / clip, min=1.0) * loss_scale).reshape(())
+
+
 class ClippingAdamW(torch.optim.AdamW):
     """AdamW(fused=True) that clips by the global gradient norm as DeepSpeed does: every gradient divided by
     max(1, (norm + 1e-6) / clip) (a non-finite norm clips as an infinite one); `_global_grad_norm` (before clipping)
@@ -36,19 +53,12 @@ class ClippingAdamW(torch.optim.AdamW):
     @torch.no_grad()
     def step(self, closure=None):
         grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
-        device = grads[0].device if grads else self.param_groups[0]["params"][0].device
-        if grads:
-            # fp32 per-tensor norms (bf16 ones would round to 8 bits), their squares summed in fp64 as DeepSpeed does
-            norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
-            norm = torch.stack(norms).double().pow(2).sum().sqrt().float()
-        else:
-            norm = torch.zeros((), dtype=torch.float32, device=device)
+        norm = squared_norm(grads, self.param_groups[0]["params"][0].device).sqrt()
         self._global_grad_norm = norm
         self.grad_scale = None
         if self.skip_nonfinite:
             self.found_inf = (~torch.isfinite(norm)).float()
             self.overflow = bool(self.found_inf)
         if self.clip > 0.0:
-            finite = torch.where(torch.isfinite(norm), norm, torch.full_like(norm, float("inf")))
-            self.grad_scale = torch.clamp((finite + 1e-6) / self.clip, min=1.0)
+            self.grad_scale = clip_divisor(norm, self.clip)
         return super().step(closure)

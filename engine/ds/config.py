@@ -8,12 +8,12 @@ from __future__ import annotations
 from configs import Plan, TrainConfig
 
 
-def effective_zero_stage(cfg: TrainConfig, plan: Plan) -> int:
+def effective_zero_stage(cfg: TrainConfig, world_size: int) -> int:
     """ZeRO-3 on a single rank partitions over one rank, which saves nothing over ZeRO-2 while its module
     hooks cost a fixed time per step (on CPU, with a 16-layer model, more than the rest of the step), so a
     world-1 run uses ZeRO-2 unless parameters are offloaded (which only ZeRO-3 does)."""
     ds = cfg.deepspeed
-    if ds.zero_stage == 3 and plan.world_size == 1 and not ds.offload_param:
+    if ds.zero_stage == 3 and world_size == 1 and not ds.offload_param:
         return 2
     return ds.zero_stage
 
@@ -21,7 +21,7 @@ def effective_zero_stage(cfg: TrainConfig, plan: Plan) -> int:
 def to_deepspeed_dict(cfg: TrainConfig, plan: Plan, load_universal: bool = False) -> dict:
     """`load_universal`: the resume loads a re-partitioned copy (engine/checkpoints/reshard.py)."""
     ds = cfg.deepspeed
-    stage = effective_zero_stage(cfg, plan)
+    stage = effective_zero_stage(cfg, plan.world_size)
     if stage == 0:
         return _zero0_dict(cfg, plan)
     alone = plan.world_size == 1

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from .clipping_adamw import clip_divisor, squared_norm
+
 
 def skip_deepspeed_shm_build() -> None:
     """Stop DeepSpeed's CPU accelerator from JIT-compiling `deepspeed_shm_comm` at init (35-75 s).
@@ -48,11 +50,7 @@ def one_pass_zero2_grad_norm() -> None:
         grads = [g.detach() for g, p in zip((g for g in gradients if not getattr(g, "_zero_padding", False)), params)
                  if not (hasattr(p, PIPE_REPLICATED) and p.ds_pipe_replicated)
                  and (is_model_parallel_parameter(p) or self.model_parallel_rank == 0)]
-        if grads:
-            norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)  # bf16 results would round to 8 bits
-            total = torch.stack(norms).double().pow(2).sum().float()  # one cast, not one per tensor
-        else:
-            total = torch.tensor(0.0, dtype=torch.float32, device=self.device)
+        total = squared_norm(grads, self.device)
         ds_dist.all_reduce(total, op=ds_dist.ReduceOp.SUM, group=self.dp_process_group)
         self._model_parallel_all_reduce(tensor=total, op=ds_dist.ReduceOp.SUM)
         total = total.pow(0.5)
@@ -88,14 +86,11 @@ def clip_inside_fused_adam() -> None:
         if self.clip_grad == 0.0 and self.loss_scale == 1.0:
             return
         device = grad_groups_flat[0].device
-        combined = torch.as_tensor(float(self.loss_scale), dtype=torch.float32, device=device)
         if self.clip_grad > 0.0:
             norm = torch.as_tensor(total_norm, dtype=torch.float32, device=device)
-            # a non-finite norm (or DeepSpeed's -1 sentinel for one) clips as by an infinite norm, as DeepSpeed does
-            norm = torch.where(torch.isfinite(norm) & (norm >= 0), norm, torch.full_like(norm, float("inf")))
-            clip = torch.clamp(((norm / self.loss_scale) + 1e-6) / self.clip_grad, min=1.0)
-            combined = clip * self.loss_scale
-        opt.grad_scale = combined.reshape(())
+            opt.grad_scale = clip_divisor(norm, self.clip_grad, float(self.loss_scale))
+        else:
+            opt.grad_scale = torch.as_tensor(float(self.loss_scale), dtype=torch.float32, device=device).reshape(())
 
     unscale_and_clip_grads._into_fused_adam = True
     DeepSpeedZeroOptimizer.unscale_and_clip_grads = unscale_and_clip_grads

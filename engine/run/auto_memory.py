@@ -27,6 +27,8 @@ from configs.errors import ConfigError
 from configs.memory import AUTO_FILLS, MemoryConfig
 from ds_ulysses_ext.memory.planner import ModelShape, Policy, Prediction, RunShape, load_calibration, predict
 
+from ..ds.config import effective_zero_stage
+
 log = logging.getLogger(__name__)
 
 GIB = 2 ** 30
@@ -116,9 +118,7 @@ def _installed(module: str) -> bool:
 
 def run_shape(cfg: TrainConfig, world_size: int, ranks_per_node: int, on_gpu: bool = True,
               seq_len: Optional[int] = None) -> RunShape:
-    # one rank runs ZeRO-3 as ZeRO-2 unless it offloads parameters (engine/ds/config.py); ZeRO-0 stays itself
-    zero = cfg.deepspeed.zero_stage if (world_size > 1 or cfg.deepspeed.offload_param or
-                                        cfg.deepspeed.zero_stage == 0) else 2
+    zero = effective_zero_stage(cfg, world_size)  # one rank runs ZeRO-3 as ZeRO-2 unless it offloads parameters
     return RunShape(seq_len=seq_len or cfg.data.seq_len, cp=cfg.parallelism.cp, world=world_size,
                     micro_batch=cfg.trainer.micro_batch_size, zero_stage=zero,
                     master_weights=cfg.deepspeed.master_weights if cfg.precision == "bf16" else "fp32",

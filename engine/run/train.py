@@ -68,7 +68,7 @@ def train(cfg: TrainConfig, plan: Plan, rt: Runtime) -> dict:
 
     # --- resume point, checked before the model is built (refused if written with other model, data, seed or batch)
     fingerprint = checkpoint.resume_fingerprint(dataclasses.asdict(cfg))
-    layout = optimizer_layout(plan.world_size, effective_zero_stage(cfg, plan), plan.ep)
+    layout = optimizer_layout(plan.world_size, effective_zero_stage(cfg, plan.world_size), plan.ep)
     # verified first (every rank together): a damaged `latest` stops the run or falls back to an older checkpoint
     tag = checkpoint.resume_tag(out_dir, rt.rank, cfg.trainer.on_corrupt_checkpoint) if cfg.trainer.resume else None
     load_root = None  # checkpoints/, unless a checkpoint of other ranks is re-partitioned first (a copy)
