@@ -209,3 +209,58 @@ def test_zero0_optimizer_clips_and_skips_in_bf16(device):
     """deepspeed=zero0's ClippingAdamW on bf16 parameters, as a bf16 run uses it: the clip as a device scalar inside
     torch's fused kernel against torch's clip_grad_norm_ + AdamW on fp32 copies, and a non-finite norm skipping."""
     _clip_and_skip_in_bf16(device)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only: a Triton kernel")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_adamw_step_matches_torch_fused_adamw(dtype):
+    """engine/ds/adamw_kernel.py's AdamW step against torch's fused AdamW, each step from the same state (a rounding
+    flip compounds over a trajectory: bf16 Adam states part by ~7 ulps in 10 steps between two fp32-math
+    implementations), with weight decay, several tensor sizes, and one step with a gradient scale. Both do the math in
+    fp32 (torch's partly in double) and round at the store, so they agree to `ulps` of the value's dtype (one
+    rounding flip in bf16) on all but a few elements. The state's step counts advance as torch's do."""
+    from engine.ds.adamw_kernel import adamw_step
+    from engine.ds.clipping_adamw import ulps
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    shapes = [(3, 5000), (7,), (128, 64, 33)]  # sizes that end inside a block, and one of several blocks
+    ref = [torch.nn.Parameter(torch.randn(s, generator=gen, device="cuda", dtype=dtype)) for s in shapes]
+    ours = [torch.nn.Parameter(p.detach().clone()) for p in ref]
+    kw = dict(lr=1e-2, weight_decay=0.1, betas=(0.8, 0.95), eps=1e-6)
+    ref_opt, our_opt = torch.optim.AdamW(ref, fused=True, **kw), torch.optim.AdamW(ours, **kw)
+    eps = torch.finfo(dtype).eps * ulps(dtype)
+    for step in range(1, 7):
+        scale = torch.tensor(4.0, device="cuda") if step == 5 else None
+        for r, o in zip(ref, ours):
+            g = torch.randn(r.shape, generator=gen, device="cuda", dtype=dtype)
+            r.grad, o.grad = g.clone(), g.clone()
+        ref_opt.grad_scale = scale
+        ref_opt.step()
+        adamw_step(our_opt, grad_scale=scale)
+        for r, o in zip(ref, ours):
+            a, b = r.detach().float(), o.detach().float()
+            diff = (a - b).abs() / a.abs().clamp_min(1e-2)
+            assert float(diff.max()) <= eps, (step, float(diff.max()) / eps)
+            assert float((diff > 0).float().mean()) < 0.05, step
+            for key in ("exp_avg", "exp_avg_sq"):
+                m, n = ref_opt.state[r][key].float(), our_opt.state[o][key].float()
+                assert float(((m - n).abs() / m.abs().clamp_min(1e-6)).max()) <= eps, (step, key)
+            assert float(our_opt.state[o]["step"]) == step
+            o.data.copy_(r.data)
+            our_opt.state[o]["exp_avg"].copy_(ref_opt.state[r]["exp_avg"])
+            our_opt.state[o]["exp_avg_sq"].copy_(ref_opt.state[r]["exp_avg_sq"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only: a Triton kernel")
+def test_clipping_adamw_takes_the_triton_step_on_cuda(monkeypatch):
+    """ClippingAdamW on CUDA runs the Triton step (its first-use check passes on this GPU) and not torch's."""
+    from engine.ds import adamw_kernel, clipping_adamw
+    assert clipping_adamw.triton_step_ok(torch.device("cuda", torch.cuda.current_device()), torch.bfloat16)
+    calls = []
+    real = adamw_kernel.adamw_step
+    monkeypatch.setattr(adamw_kernel, "adamw_step", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(torch.optim.AdamW, "step", lambda *a, **k: pytest.fail("torch's AdamW step ran"))
+    p = torch.nn.Parameter(torch.randn(1000, device="cuda", dtype=torch.bfloat16))
+    p.grad = torch.randn_like(p)
+    before = p.detach().clone()
+    ClippingAdamW([p], 1.0, lr=1e-2).step()
+    assert calls == [1] and not torch.equal(p.detach(), before)

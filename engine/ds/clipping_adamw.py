@@ -8,11 +8,17 @@ into a second flat tensor for the step: on the H200 that put the 16k step's peak
 (docs/benchmarks.md, section AI). No library optimizer clips by the global norm inside its step; DeepSpeed's
 non-ZeRO clip (clip_fp32_gradients) is a separate pass over every gradient that reads the norm back to the host.
 Here the norm is one multi-tensor pass and the clip coefficient a device scalar that torch's fused AdamW divides
-each gradient by in-kernel (`grad_scale`, the hook GradScaler uses), so the step never syncs the host.
+each gradient by in-kernel (`grad_scale`, the hook GradScaler uses), so the step never syncs the host. On CUDA the
+step itself runs as engine/ds/adamw_kernel.py's Triton kernel (1.5x torch's fused AdamW on an H200), after a check at
+first use against torch's fused kernel on a small tensor; where Triton is missing or the check fails, torch's.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
+
+log = logging.getLogger(__name__)
 
 
 def squared_norm(grads: list, device: torch.device) -> torch.Tensor:
@@ -53,7 +59,8 @@ class ClippingAdamW(torch.optim.AdamW):
     @torch.no_grad()
     def step(self, closure=None):
         grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
-        norm = squared_norm(grads, self.param_groups[0]["params"][0].device).sqrt()
+        device = self.param_groups[0]["params"][0].device
+        norm = squared_norm(grads, device).sqrt()
         self._global_grad_norm = norm
         self.grad_scale = None
         if self.skip_nonfinite:
@@ -61,4 +68,62 @@ class ClippingAdamW(torch.optim.AdamW):
             self.overflow = bool(self.found_inf)
         if self.clip > 0.0:
             self.grad_scale = clip_divisor(norm, self.clip)
+        if grads and triton_step_ok(device, grads[0].dtype):
+            if closure is not None:
+                raise ValueError("ClippingAdamW takes no closure")
+            if not (self.skip_nonfinite and self.overflow):  # a skipped step changes nothing, as torch's skips
+                from .adamw_kernel import adamw_step
+                adamw_step(self, grad_scale=self.grad_scale)
+            return None
         return super().step(closure)
+
+
+_CHECKED: dict = {}
+
+
+def triton_step_ok(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the Triton AdamW step runs on `device` for `dtype`: CUDA, Triton importable, and two steps (weight
+    decay, then a gradient scale) of a 70k-element tensor within `ulps` of torch's fused kernel. Checked
+    once per (device, dtype) per process; a failure logs why and keeps torch's kernel."""
+    if device.type != "cuda":
+        return False
+    key = (device, dtype)
+    if key not in _CHECKED:
+        try:
+            _CHECKED[key] = _agrees_with_torch(device, dtype)
+            if not _CHECKED[key]:
+                log.warning("the Triton AdamW step disagrees with torch's fused AdamW on %s in %s: torch's runs",
+                            device, dtype)
+        except Exception as exc:  # Triton missing or failing to build here: torch's kernel, and say why
+            log.warning("the Triton AdamW step is unavailable on %s (%s: %s): torch's fused AdamW runs",
+                        device, type(exc).__name__, exc)
+            _CHECKED[key] = False
+    return _CHECKED[key]
+
+
+def ulps(dtype: torch.dtype) -> int:
+    """How far, in the dtype's epsilons of the value, the Triton step may land from torch's: torch does part of its
+    fp32 math in double, so fp32 parameters part by a few ulps (2.3 measured); 16-bit ones by one rounding flip."""
+    return 2 if torch.finfo(dtype).bits <= 16 else 16
+
+
+def _agrees_with_torch(device: torch.device, dtype: torch.dtype) -> bool:
+    from .adamw_kernel import adamw_step
+    gen = torch.Generator(device=device).manual_seed(0)
+    ref = torch.nn.Parameter(torch.randn(70001, generator=gen, device=device, dtype=dtype))
+    ours = torch.nn.Parameter(ref.detach().clone())
+    kw = dict(lr=1e-2, weight_decay=0.1, betas=(0.8, 0.95), eps=1e-6)
+    ref_opt, our_opt = torch.optim.AdamW([ref], fused=True, **kw), torch.optim.AdamW([ours], **kw)
+    for scale in (None, torch.tensor(3.0, device=device)):
+        grad = torch.randn(ref.shape, generator=gen, device=device, dtype=dtype)
+        ref.grad, ours.grad = grad.clone(), grad.clone()
+        ref_opt.grad_scale = scale  # where torch's AdamW reads a GradScaler's scale
+        ref_opt.step()
+        adamw_step(our_opt, grad_scale=scale)
+        tol = ulps(dtype) * torch.finfo(dtype).eps * ref.detach().float().abs().clamp_min(1e-2)
+        if not bool(((ref.detach().float() - ours.detach().float()).abs() <= tol).all()):
+            return False
+        ours.data.copy_(ref.data)  # the next step from the same state: a rounding flip must not compound
+        our_opt.state[ours]["exp_avg"].copy_(ref_opt.state[ref]["exp_avg"])
+        our_opt.state[ours]["exp_avg_sq"].copy_(ref_opt.state[ref]["exp_avg_sq"])
+    return True
