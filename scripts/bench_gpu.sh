@@ -41,6 +41,9 @@
 #                recomputed, its saved tensors and the layer inputs, memory.offload_activations=true, go to pinned host
 #                memory) for each attention backend of $EQ_BACKENDS (default "sdpa fa4": fa4 after the FA4 recipe's
 #                site_fa4 site_cu13), then HF + Liger at the same lengths. About 8 min
+#   optimizer    deepspeed=zero0's optimizer phase alone on $OPT_MODEL's parameter shapes (default qwen3_30b_a3b_4l, 3.1B
+#                bf16 parameters): the gradient norm, torch's fused AdamW, the Triton AdamW step and all of ClippingAdamW.step,
+#                each against a copy of as many bytes (scripts/bench_optimizer.py); $OUT/optimizer.jsonl. About 40 s
 #   loss_head    the loss head alone at 16k and 32k tokens, Llama-3's vocabulary, bf16 forward + backward: ours against
 #                Liger-Kernel's fused linear cross-entropy (bf16 and fp32 weight-gradient accumulation), with each one's
 #                weight-gradient error against fp32 (scripts/bench_loss.py); $OUT/loss_head.jsonl
@@ -83,7 +86,7 @@
 #                a stage that fails stops the chain (the next would read a missing or an earlier call's export)
 #   gpu_tests    the suite's GPU-only tests (skipped on CPU): tests/test_gpu_paths.py (the fused ring kernel, the
 #                packed and sink SDPA paths, bf16 against exact references), GPT-OSS's grouped_mm experts and
-#                deepspeed=zero0's optimizer on CUDA;
+#                deepspeed=zero0's optimizer on CUDA (ClippingAdamW and its Triton AdamW step against torch's fused one);
 #                the log is $OUT/gpu_tests.txt. Run it before measuring those paths. After site_fa4 site_cu13
 #                (the FA4 recipe below) it also checks FA4's varlen, window and sink arguments
 #   bg_1m_start  the full 16-layer 1M step ($BG_POINT, default 1048576:long_context; $BG_ARGS: more bench_train
@@ -151,6 +154,7 @@ for part in ${*:-attn train_short train_long}; do
                   done
                   python3 scripts/bench_train.py --points $pts --steps 4 --anchors hf+liger --order anchors-first --no-ours \
                     | grep RESULT | cut -c1-900 ;;
+    optimizer) python3 scripts/bench_optimizer.py --model ${OPT_MODEL:-qwen3_30b_a3b_4l} | tee -a "$OUT/optimizer.jsonl" ;;
     loss_head) python3 scripts/bench_loss.py --tokens ${LOSS_TOKENS:-16384,32768} | tee -a "$OUT/loss_head.jsonl" ;;
     track_loss) tp=${TRACK_POINT:-8192:full_recompute}
                 for k in liger none control; do
@@ -201,7 +205,7 @@ for name, a in zip(('liger', 'control'), runs):
              done ;;
     gpu_tests) { python3 -m pytest -q -rs -p no:cacheprovider tests/test_gpu_paths.py
                  python3 -m pytest -q -rs -p no:cacheprovider tests/test_moe_gpt_oss.py -k grouped
-                 python3 -m pytest -q -rs -p no:cacheprovider tests/test_zero0.py -k "clips_and_skips and cuda"; } 2>&1 \
+                 python3 -m pytest -q -rs -p no:cacheprovider tests/test_zero0.py -k "triton or cuda"; } 2>&1 \
                  | tee "$OUT/gpu_tests.txt" | tail -30 ;;
     *) echo "unknown part $part" ;;
   esac
