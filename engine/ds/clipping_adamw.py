@@ -68,7 +68,7 @@ class ClippingAdamW(torch.optim.AdamW):
             self.overflow = bool(self.found_inf)
         if self.clip > 0.0:
             self.grad_scale = clip_divisor(norm, self.clip)
-        if grads and triton_step_ok(device, grads[0].dtype):
+        if grads and all(triton_step_ok(device, dtype) for dtype in {g.dtype for g in grads}):
             if closure is not None:
                 raise ValueError("ClippingAdamW takes no closure")
             if not (self.skip_nonfinite and self.overflow):  # a skipped step changes nothing, as torch's skips
@@ -91,7 +91,10 @@ def triton_step_ok(device: torch.device, dtype: torch.dtype) -> bool:
     if key not in _CHECKED:
         try:
             _CHECKED[key] = _agrees_with_torch(device, dtype)
-            if not _CHECKED[key]:
+            if _CHECKED[key]:
+                log.info("AdamW runs as engine/ds/adamw_kernel.py's Triton step on %s in %s (it agreed with torch's "
+                         "fused AdamW at first use)", device, dtype)
+            else:
                 log.warning("the Triton AdamW step disagrees with torch's fused AdamW on %s in %s: torch's runs",
                             device, dtype)
         except Exception as exc:  # Triton missing or failing to build here: torch's kernel, and say why
