@@ -9,7 +9,7 @@ into a second flat tensor for the step: on the H200 that put the 16k step's peak
 non-ZeRO clip (clip_fp32_gradients) is a separate pass over every gradient that reads the norm back to the host.
 Here the norm is one multi-tensor pass and the clip coefficient a device scalar that torch's fused AdamW divides
 each gradient by in-kernel (`grad_scale`, the hook GradScaler uses), so the step never syncs the host. On CUDA the
-step itself runs as engine/ds/adamw_kernel.py's Triton kernel (1.5x torch's fused AdamW on an H200), after a check at
+step itself runs as engine/ds/adamw_kernel.py's Triton kernel (1.37x torch's fused AdamW on an H200), after a check at
 first use against torch's fused kernel on a small tensor; where Triton is missing or the check fails, torch's.
 """
 from __future__ import annotations
