@@ -3,10 +3,10 @@
 Why not torch's fused AdamW (`_fused_adamw_`): it walks every tensor in 64k-element chunks through
 multi_tensor_apply, and on an H200 it moves the 4-layer Qwen3-30B-A3B shape's 3.1B bf16 parameters at 2.6 TB/s
 (16.6 ms), where a plain copy of as many bytes runs at 4.2 TB/s; this kernel streams each tensor with wide blocks at
-3.6 TB/s (12.1 ms, docs/benchmarks.md AO). It keeps torch's AdamW semantics and state layout (a float32 `step` tensor per
-parameter on its device, `exp_avg` and `exp_avg_sq` in the parameter's dtype), so checkpoints and `load_state_dict`
-are torch's. As torch's kernel does: the math in fp32, rounded to the parameter's dtype at the store; weight decay
-first (p *= 1 - lr * wd); the bias corrections in double, cast to fp32 once; then
+3.6 TB/s (12.1 ms, docs/benchmarks.md AO). It keeps torch's AdamW semantics and state layout (a float32 `step`
+tensor per parameter on its device, `exp_avg` and `exp_avg_sq` in the parameter's dtype), so checkpoints and
+`load_state_dict` are torch's. As torch's kernel does: the math in fp32, rounded to the parameter's dtype at the
+store; weight decay first (p *= 1 - lr * wd); the bias corrections in double, cast to fp32 once; then
 
     m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2;  p -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
 
