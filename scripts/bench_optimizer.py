@@ -9,8 +9,9 @@ most 20 ms. Parts: `copy` (the memory wall), `grad_norm` (the clip's global norm
 `triton_adamw` (engine/ds/adamw_kernel.py, CUDA only), `clipping_adamw_step` (all of ClippingAdamW.step, with the
 kernel it picks on this device). Each JSON line: the median time of one part and the bytes it must move at least
 (AdamW: read the parameter, its gradient and both moments, write back the parameter and the moments; the norm: read
-every gradient), so `gbps` against the `copy` line's says how far from the memory wall each part runs. The shapes come from the HF
-model built on the meta device from hydra_conf/model/<model>.yaml (nothing is downloaded or allocated for it).
+every gradient), so `gbps` against the `copy` line's says how far from the memory wall each part runs. The shapes
+come from the HF model built on the meta device from hydra_conf/model/<model>.yaml (nothing is downloaded or
+allocated for it).
 """
 import argparse
 import json
