@@ -17,7 +17,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -25,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
+from bench_attention import timed  # noqa: E402  (one synchronised call, as the attention bench times it)
 from engine.ds.clipping_adamw import ClippingAdamW, squared_norm  # noqa: E402
 
 
@@ -37,22 +37,15 @@ def shapes(model: str) -> list:
     return [tuple(p.shape) for p in hf.parameters()]
 
 
-def timed(fn, reps: int, device) -> float:
+def median_time(fn, reps: int, device) -> float:
     fn()  # warm-up: kernel selection, lazy state
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize(device) if device.type == "cuda" else None
-        t = time.perf_counter()
-        fn()
-        torch.cuda.synchronize(device) if device.type == "cuda" else None
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return statistics.median(timed(fn, device) for _ in range(reps))
 
 
 def copy_time(numel: int, dtype, device, reps: int) -> float:
     src = torch.empty(numel, dtype=dtype, device=device)
     dst = torch.empty_like(src)
-    return timed(lambda: dst.copy_(src), reps, device)
+    return median_time(lambda: dst.copy_(src), reps, device)
 
 
 def main():
@@ -83,20 +76,20 @@ def main():
 
     # the memory wall: one read and one write of as many bytes as AdamW writes (3 tensors per parameter)
     line("copy", copy_time(n * 3, dtype, device, args.reps), 2 * 3 * n * esize)
-    line("grad_norm", timed(lambda: squared_norm(grads, device).sqrt(), args.reps, device), n * esize)
+    line("grad_norm", median_time(lambda: squared_norm(grads, device).sqrt(), args.reps, device), n * esize)
     plain = torch.optim.AdamW(params, lr=1e-6, fused=device.type == "cuda")
-    line("fused_adamw", timed(plain.step, args.reps, device), 7 * n * esize)
+    line("fused_adamw", median_time(plain.step, args.reps, device), 7 * n * esize)
     plain.state.clear()
     del plain
     if device.type == "cuda":
         from engine.ds.adamw_kernel import adamw_step
         triton = torch.optim.AdamW(params, lr=1e-6)
-        line("triton_adamw", timed(lambda: adamw_step(triton), args.reps, device), 7 * n * esize)
+        line("triton_adamw", median_time(lambda: adamw_step(triton), args.reps, device), 7 * n * esize)
         triton.state.clear()
         del triton
     # the whole of deepspeed=zero0's step: the norm, the clip divisor, the AdamW kernel ClippingAdamW picked
     clipping = ClippingAdamW(params, clip=1.0, lr=1e-6)
-    line("clipping_adamw_step", timed(clipping.step, args.reps, device), 8 * n * esize)
+    line("clipping_adamw_step", median_time(clipping.step, args.reps, device), 8 * n * esize)
 
 
 if __name__ == "__main__":

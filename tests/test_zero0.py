@@ -220,7 +220,7 @@ def test_triton_adamw_step_matches_torch_fused_adamw(dtype):
     fp32 (torch's partly in double) and round at the store, so they agree to `ulps` of the value's dtype (one
     rounding flip in bf16) on all but a few elements. The state's step counts advance as torch's do."""
     from engine.ds.adamw_kernel import adamw_step
-    from engine.ds.clipping_adamw import ulps
+    from engine.ds.clipping_adamw import adopt_state, ulps
     gen = torch.Generator(device="cuda").manual_seed(0)
     shapes = [(3, 5000), (7,), (128, 64, 33)]  # sizes that end inside a block, and one of several blocks
     ref = [torch.nn.Parameter(torch.randn(s, generator=gen, device="cuda", dtype=dtype)) for s in shapes]
@@ -246,9 +246,7 @@ def test_triton_adamw_step_matches_torch_fused_adamw(dtype):
                 m, n = ref_opt.state[r][key].float(), our_opt.state[o][key].float()  # rounding of its terms
                 assert float((m - n).abs().max() / m.abs().max()) <= eps, (step, key)
             assert float(our_opt.state[o]["step"]) == step
-            o.data.copy_(r.data)
-            our_opt.state[o]["exp_avg"].copy_(ref_opt.state[r]["exp_avg"])
-            our_opt.state[o]["exp_avg_sq"].copy_(ref_opt.state[r]["exp_avg_sq"])
+            adopt_state(our_opt, o, ref_opt, r)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only: a Triton kernel")

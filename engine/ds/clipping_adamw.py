@@ -18,6 +18,8 @@ import logging
 
 import torch
 
+from .adamw_kernel import adamw_step
+
 log = logging.getLogger(__name__)
 
 
@@ -72,7 +74,6 @@ class ClippingAdamW(torch.optim.AdamW):
             if closure is not None:
                 raise ValueError("ClippingAdamW takes no closure")
             if not (self.skip_nonfinite and self.overflow):  # a skipped step changes nothing, as torch's skips
-                from .adamw_kernel import adamw_step
                 adamw_step(self, grad_scale=self.grad_scale)
             return None
         return super().step(closure)
@@ -110,8 +111,15 @@ def ulps(dtype: torch.dtype) -> int:
     return 2 if torch.finfo(dtype).bits <= 16 else 16
 
 
+def adopt_state(opt: torch.optim.AdamW, param: torch.Tensor, ref_opt: torch.optim.AdamW, ref: torch.Tensor) -> None:
+    """`param` and its moments set to `ref`'s: the next step of both from the same state (one step's rounding
+    difference must not compound when two AdamW kernels are compared)."""
+    param.data.copy_(ref.data)
+    opt.state[param]["exp_avg"].copy_(ref_opt.state[ref]["exp_avg"])
+    opt.state[param]["exp_avg_sq"].copy_(ref_opt.state[ref]["exp_avg_sq"])
+
+
 def _agrees_with_torch(device: torch.device, dtype: torch.dtype) -> bool:
-    from .adamw_kernel import adamw_step
     gen = torch.Generator(device=device).manual_seed(0)
     ref = torch.nn.Parameter(torch.randn(70001, generator=gen, device=device, dtype=dtype))
     ours = torch.nn.Parameter(ref.detach().clone())
@@ -126,7 +134,5 @@ def _agrees_with_torch(device: torch.device, dtype: torch.dtype) -> bool:
         tol = ulps(dtype) * torch.finfo(dtype).eps * ref.detach().float().abs().clamp_min(1e-2)
         if not bool(((ref.detach().float() - ours.detach().float()).abs() <= tol).all()):
             return False
-        ours.data.copy_(ref.data)  # the next step from the same state: a rounding flip must not compound
-        our_opt.state[ours]["exp_avg"].copy_(ref_opt.state[ref]["exp_avg"])
-        our_opt.state[ours]["exp_avg_sq"].copy_(ref_opt.state[ref]["exp_avg_sq"])
+        adopt_state(our_opt, ours, ref_opt, ref)
     return True
