@@ -91,6 +91,7 @@ UNCONDITIONAL = (
     # model.arch: the whole shape under source=config; under pretrained the checkpoint's config.json is the truth
     # and arch only repeats its counts for the checks before the load
     "model.name", "model.family", "model.source", "model.arch", "model.attn_backend", "model.kernels",
+    "model.loss_head",
     "data.source", "data.seq_len", "data.eval_samples", "data.eval_path", "data.padding_side", "data.pack",
     "parallelism.cp", "parallelism.ring", "parallelism.ep", "parallelism.tp",
     "deepspeed.zero_stage", "deepspeed.offload_optimizer", "deepspeed.offload_param", "deepspeed.master_weights",

@@ -21,7 +21,7 @@ from configs.moe import check_moe
 from configs.parallel import MASTER_WEIGHTS, check_deepspeed, check_parallelism, resolve_ring
 from configs.train import DEVICES, PRECISIONS, TrainConfig
 from configs.trainer import check_batch, check_eval, check_trainer
-from ds_ulysses_ext.kernels import KERNEL_MODES
+from ds_ulysses_ext.kernels import KERNEL_MODES, LOSS_HEADS
 
 
 @dataclass(frozen=True)
@@ -98,6 +98,10 @@ def _check_choices(cfg: TrainConfig) -> None:
     one_of("model.source", cfg.model.source, MODEL_SOURCES)
     one_of("model.attn_backend", cfg.model.attn_backend, ATTN_BACKENDS)
     one_of("model.kernels", cfg.model.kernels, KERNEL_MODES)
+    one_of("model.loss_head", cfg.model.loss_head, LOSS_HEADS)
+    require(cfg.model.loss_head != "liger" or cfg.model.kernels in ("liger", "auto"),
+            f"model.loss_head=liger runs Liger-Kernel's head, and model.kernels={cfg.model.kernels} does not load "
+            "Liger; set model.kernels=liger, or model.loss_head=auto")
     one_of("data.source", cfg.data.source, DATA_SOURCES, " (presets: data=synthetic, data=demo, data=jsonl)")
     one_of("data.format", cfg.data.format, DATA_FORMATS)
     one_of("data.overlong", cfg.data.overlong, OVERLONG_POLICIES)

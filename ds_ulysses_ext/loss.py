@@ -8,7 +8,8 @@ all ranks add up to the objective. How the engine then combines per-rank gradien
 business (engine/ds/grad_reduction.py multiplies the share by the factor the reduction path needs).
 
 Logits are never all-gathered and never exist for the whole local sequence: lm_head + fp32
-cross-entropy run on chunks of C tokens, so at most one [C, V] fp32 block is alive. Two ways:
+cross-entropy run on chunks of C tokens, so at most one [C, V] fp32 block is alive (on CUDA, one 16-bit
+block: kernels/cross_entropy.py computes the rows in place). Two ways:
 - fused (`linear_cross_entropy_sum`, the default): each chunk's gradients are computed in forward,
   where its logits already exist: the hidden-state gradient [C, H] is stored and the lm_head weight
   gradient is summed in fp32. Backward only multiplies both by the incoming gradient. No lm_head forward
@@ -26,6 +27,7 @@ lm_head's forward, so `CPCausalLM` registers it as an external parameter of its 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import logging
 
 import torch
@@ -83,18 +85,25 @@ def chunked_lm_loss_sum(lm_head: torch.nn.Module, hidden_BsH: torch.Tensor, labe
     return total, (labels_T != IGNORE_INDEX).sum()
 
 
-def _chunk_nll_sum_and_logit_grad(h_CH, weight_VH, y_C, need_grad):
+def _chunk_nll_sum_and_logit_grad(h_CH, weight_VH, y_C, need_grad, fused_rows=True):
     """One chunk: (fp32 sum of token NLLs, d(sum)/d logits in the weight dtype, or None).
 
     lm_head runs in the weight dtype, then an fp32 log-softmax: the same rounding as HF's cross_entropy
-    on .float() logits. Each pass over a [C, V] fp32 block reads and writes 4*C*V bytes, the largest
+    on .float() logits. On CUDA (fused_rows, the kernel checked at first use) one Triton kernel computes the rows'
+    losses and writes their gradient over the 16-bit logits (kernels/cross_entropy.py): no fp32 block at all.
+    Otherwise each pass over a [C, V] fp32 block reads and writes 4*C*V bytes, the largest
     memory traffic of the step's head (docs/benchmarks.md, section H), so the chunk makes as few passes
     as it can: one fused log-softmax kernel (not logsumexp's
     amax/sub/exp/sum/log) that reads the 16-bit logits and writes fp32 (`dtype=`: no separate upcast pass or
     fp32 copy; on CPU torch upcasts first, as before) and, for the gradient, one in-place exp and one cast. Being
     a function, its fp32 block is freed on return, before the caller's matmuls allocate.
     """
-    logp_CV = torch.log_softmax(h_CH @ weight_VH.t(), dim=-1, dtype=torch.float32)
+    logits_CV = h_CH @ weight_VH.t()
+    if fused_rows and _triton_rows(logits_CV.device, logits_CV.dtype):
+        from .kernels.cross_entropy import cross_entropy_rows_
+        return cross_entropy_rows_(logits_CV, y_C, IGNORE_INDEX, need_grad).sum(), logits_CV if need_grad else None
+    logp_CV = torch.log_softmax(logits_CV, dim=-1, dtype=torch.float32)
+    del logits_CV
     valid_C = y_C != IGNORE_INDEX
     y_safe_C = torch.where(valid_C, y_C, 0)
     nll_sum = torch.where(valid_C, logp_CV.gather(1, y_safe_C[:, None]).squeeze(1).neg_(), 0.0).sum()
@@ -107,6 +116,15 @@ def _chunk_nll_sum_and_logit_grad(h_CH, weight_VH, y_C, need_grad):
     # masking after the cast is exact (x * 1 and x * 0 round the same) and moves half the bytes; a mask
     # of the same dtype keeps the kernel vectorised
     return nll_sum, g_CV.mul_(valid_C.to(g_CV.dtype)[:, None])
+
+
+def _triton_rows(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the chunk's rows run in kernels/cross_entropy.py's Triton kernel: CUDA with Triton, checked once
+    per (device, dtype) against the torch rows below (a failure logs a warning and keeps them)."""
+    if device.type != "cuda" or importlib.util.find_spec("triton") is None:
+        return False
+    from .kernels.cross_entropy import rows_ok
+    return rows_ok(device, dtype, IGNORE_INDEX)
 
 
 def _add_weight_grad(grad_VH: torch.Tensor, g_CV: torch.Tensor, h_CH: torch.Tensor) -> None:
@@ -146,14 +164,14 @@ class _LinearCrossEntropySum(torch.autograd.Function):
     """sum_t CE(hidden_t @ weight^T, label_t), gradients computed chunk by chunk in forward."""
 
     @staticmethod
-    def forward(ctx, hidden_TH, weight_VH, labels_T, chunk_size):
+    def forward(ctx, hidden_TH, weight_VH, labels_T, chunk_size, fused_rows):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         total = hidden_TH.new_zeros((), dtype=torch.float32)
         grad_TH = torch.empty_like(hidden_TH) if need_h else None
         grad_VH = torch.zeros(weight_VH.shape, dtype=torch.float32, device=weight_VH.device) if need_w else None
         for start in range(0, hidden_TH.shape[0], chunk_size):
             h_CH, y_C = hidden_TH[start:start + chunk_size], labels_T[start:start + chunk_size]
-            nll_sum, g_CV = _chunk_nll_sum_and_logit_grad(h_CH, weight_VH, y_C, need_h or need_w)
+            nll_sum, g_CV = _chunk_nll_sum_and_logit_grad(h_CH, weight_VH, y_C, need_h or need_w, fused_rows)
             total = total + nll_sum
             if g_CV is None:
                 continue
@@ -169,9 +187,11 @@ class _LinearCrossEntropySum(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total):
         grad_TH, grad_VH = ctx.saved_tensors
-        grad_h = None if grad_TH is None else grad_TH * grad_total.to(grad_TH.dtype)
+        # grad_total is a 0-dim fp32 tensor: the product keeps grad_TH's dtype and is formed in fp32, one rounding
+        # (a 16-bit copy of grad_total, e.g. 1/N, would scale every hidden gradient by its rounding error)
+        grad_h = None if grad_TH is None else grad_TH * grad_total
         grad_w = None if grad_VH is None else (grad_VH * grad_total).to(ctx.weight_dtype)
-        return grad_h, grad_w, None, None
+        return grad_h, grad_w, None, None, None
 
 
 def fusable(lm_head: torch.nn.Module) -> bool:
@@ -180,11 +200,14 @@ def fusable(lm_head: torch.nn.Module) -> bool:
 
 
 def linear_cross_entropy_sum(weight_VH: torch.Tensor, hidden_BsH: torch.Tensor, labels_Bs: torch.Tensor,
-                             chunk_size: int = 4096, kernel=None) -> tuple[torch.Tensor, torch.Tensor]:
+                             chunk_size: int = 4096, kernel=None,
+                             fused_rows: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """As chunked_lm_loss_sum for a bias-free linear head given by its weight, without recompute.
 
     kernel: a fused head, (hidden [T, H], weight [V, H], labels [T]) -> fp32 sum, that computes its gradients in
-    forward as this one does (ds_ulysses_ext.kernels: Liger's under model.kernels=liger); None runs the torch path.
+    forward as this one does (ds_ulysses_ext.kernels: Liger's under model.loss_head=liger); None runs ours.
+    fused_rows: ours runs each chunk's softmax rows in the Triton kernel on CUDA (False: the torch rows, which
+    scripts/bench_loss.py measures against it).
     """
     hidden_TH, labels_T = _tokens(hidden_BsH, labels_Bs, chunk_size)
     if not torch.is_grad_enabled():
@@ -194,7 +217,7 @@ def linear_cross_entropy_sum(weight_VH: torch.Tensor, hidden_BsH: torch.Tensor, 
     if kernel is not None:
         total = kernel(hidden_TH, weight_VH, labels_T)
     else:
-        total = _LinearCrossEntropySum.apply(hidden_TH, weight_VH, labels_T, chunk_size)
+        total = _LinearCrossEntropySum.apply(hidden_TH, weight_VH, labels_T, chunk_size, fused_rows)
     return total, (labels_T != IGNORE_INDEX).sum()
 
 

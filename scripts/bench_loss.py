@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
-"""The loss head alone, forward + backward: our fused chunked loss (ds_ulysses_ext/loss.py) against Liger-Kernel's
-fused linear cross-entropy (as HF + Liger runs it, weight gradient in bf16, and with accum_dtype=fp32), at a Llama-3
-vocabulary, in bf16. One JSON line per (impl, tokens): median time and the
-peak memory above the inputs. Issue 22 asks to keep the faster at equal memory.
+"""The loss head alone, forward + backward: our fused chunked loss (ds_ulysses_ext/loss.py; `ours` with each chunk's
+rows in the Triton kernel as CUDA runs it, `ours_torch` with torch's rows) against Liger-Kernel's fused linear
+cross-entropy (as HF + Liger runs it, weight gradient in bf16, and with accum_dtype=fp32), in bf16. One JSON line per
+(impl, tokens, chunk): median time and the peak memory above the inputs. Issue 22 asks to keep the faster at equal
+memory.
 
     python3 scripts/bench_loss.py --tokens 16384,32768 [--impls ours,liger] [--vocab 128256 --hidden 2048]
+        [--chunks 0,2048,4096]
 
 Liger's is called as HF + Liger runs it (sum over tokens, ignore_index -100); its weight gradient is accumulated
 in bf16, ours in fp32 (the reported `grad_w_rel_err` is each against an fp32 reference on the same inputs, so the
@@ -27,6 +29,10 @@ from ds_ulysses_ext.loss import chunk_tokens, linear_cross_entropy_sum  # noqa: 
 
 def ours(weight, hidden, labels, chunk):
     return linear_cross_entropy_sum(weight, hidden[None], labels[None], chunk_size=chunk)[0]
+
+
+def ours_torch(weight, hidden, labels, chunk):
+    return linear_cross_entropy_sum(weight, hidden[None], labels[None], chunk_size=chunk, fused_rows=False)[0]
 
 
 def liger(weight, hidden, labels, chunk, accum_dtype=None):
@@ -65,10 +71,10 @@ def inputs(T, args, device, dtype):
     return weight, hidden, labels
 
 
-def run(impl, T, args, device, dtype, ref):
+def run(impl, T, args, device, dtype, ref, chunk):
     weight, hidden, labels = inputs(T, args, device, dtype)
-    fn = {"ours": ours, "liger": liger, "liger_fp32": liger_fp32}[impl]
-    chunk = chunk_tokens(args.chunk, args.vocab)
+    fn = {"ours": ours, "ours_torch": ours_torch, "liger": liger, "liger_fp32": liger_fp32}[impl]
+    chunk = chunk_tokens(chunk, args.vocab)
     times, grad_w = [], None
     for i in range(args.warmup + args.reps):
         w, h = weight.detach().requires_grad_(), hidden.detach().requires_grad_()
@@ -85,7 +91,7 @@ def run(impl, T, args, device, dtype, ref):
             times.append(time.perf_counter() - t0)
         grad_w = w.grad
     out = {"bench": "loss_head", "impl": impl, "tokens": T, "vocab": args.vocab, "hidden": args.hidden,
-           "dtype": str(dtype).replace("torch.", ""), "chunk": chunk if impl == "ours" else "liger's own",
+           "dtype": str(dtype).replace("torch.", ""), "chunk": chunk if impl.startswith("ours") else "liger's own",
            "ms": 1e3 * statistics.median(times), "loss": float(loss.detach())}
     if device.type == "cuda":
         out["peak_above_inputs_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
@@ -96,10 +102,10 @@ def run(impl, T, args, device, dtype, ref):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="16384,32768")
-    ap.add_argument("--impls", default="ours,liger,liger_fp32")
+    ap.add_argument("--impls", default="ours,ours_torch,liger,liger_fp32")
     ap.add_argument("--vocab", type=int, default=128256)
     ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--chunk", type=int, default=0, help="ours: trainer.loss_chunk_size (0: sized to the vocabulary)")
+    ap.add_argument("--chunks", default="0", help="ours: trainer.loss_chunk_size values (0: sized to the vocabulary)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
@@ -111,11 +117,13 @@ def main():
             if impl.startswith("liger") and device.type != "cuda":
                 print(json.dumps({"bench": "loss_head", "impl": impl, "tokens": T, "status": "skipped: needs CUDA"}))
                 continue
-            try:
-                print(json.dumps(run(impl, T, args, device, dtype, ref)), flush=True)
-            except torch.cuda.OutOfMemoryError:
-                print(json.dumps({"bench": "loss_head", "impl": impl, "tokens": T, "status": "oom"}), flush=True)
-                torch.cuda.empty_cache()
+            for chunk in map(int, args.chunks.split(",")) if impl.startswith("ours") else (0,):
+                try:
+                    print(json.dumps(run(impl, T, args, device, dtype, ref, chunk)), flush=True)
+                except torch.cuda.OutOfMemoryError:
+                    print(json.dumps({"bench": "loss_head", "impl": impl, "tokens": T, "chunk": chunk,
+                                      "status": "oom"}), flush=True)
+                    torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

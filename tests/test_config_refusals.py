@@ -255,6 +255,10 @@ REFUSALS = [
     ),
     ("model_source", ["model.source=hub"], 2, r"model\.source=hub is not one of \{config, pretrained\}"),
     ("attn_backend", ["model.attn_backend=xformers"], 2, r"model\.attn_backend=xformers is not one of"),
+    ("loss_head", ["model.loss_head=cce"], 2, r"model\.loss_head=cce is not one of"),
+    ("liger_head_without_liger", ["model.loss_head=liger", "model.kernels=compile"], 2,
+     r"model\.loss_head=liger runs Liger-Kernel's head, and model\.kernels=compile does not load Liger; set "
+     r"model\.kernels=liger"),
 ]
 
 

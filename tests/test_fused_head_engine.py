@@ -35,7 +35,8 @@ def _rows(out):
 def test_a_fused_head_under_zero3_sees_the_gathered_weight_and_matches_world_1(tmp_path):
     ref_out, out = tmp_path / "w1", tmp_path / "w2"
     run_ranks(_run, 1, BASE + [f"run.out_dir={ref_out}", "parallelism.cp=1"])
-    run_ranks(_run_with_head, 2, BASE + [f"run.out_dir={out}", "parallelism.cp=2", "deepspeed=zero3"],
+    run_ranks(_run_with_head, 2, BASE + [f"run.out_dir={out}", "parallelism.cp=2", "deepspeed=zero3",
+                                         "model.loss_head=liger"],
               str(tmp_path / "seen"))
     ref, got = _rows(ref_out), _rows(out)
     assert len({r["loss"] for r in ref}) == 5  # it trains

@@ -224,7 +224,8 @@ def test_a_providers_loss_head_replaces_the_torch_head_and_agrees():
     def step(bind):
         torch.manual_seed(0)
         hf = tiny_model("llama", num_hidden_layers=2)
-        report = apply_fused_kernels(hf, "auto", torch.device("cpu"), provider=Checked(_CountingHead()) if bind else None)
+        report = apply_fused_kernels(hf, "auto", torch.device("cpu"), provider=Checked(_CountingHead()) if bind else None,
+                                     loss_head="liger")
         lm = CPCausalLM(hf, loss_chunk_size=5, head_kernel=report.head)
         loss_sum, count = lm(**local)
         (loss_sum / count).backward()
@@ -238,3 +239,16 @@ def test_a_providers_loss_head_replaces_the_torch_head_and_agrees():
     assert "hf.lm_head.weight" in grads
     for name, g in grads.items():
         assert ((g - ref_grads[name]).norm() / ref_grads[name].norm()).item() < 1e-5, name
+
+
+def test_the_loss_head_setting_picks_whose_head_runs():
+    """model.loss_head: auto keeps loss.py's head (report.head None) even where the provider has a fused one; liger
+    takes the provider's; liger where the provider has none is refused, naming the fix."""
+    from ds_ulysses_ext import UnsupportedError
+    from tiny_models import tiny_model
+    hf = tiny_model("llama", num_hidden_layers=1)
+    assert apply_fused_kernels(hf, "auto", torch.device("cpu"), provider=_CountingHead()).head is None
+    assert apply_fused_kernels(hf, "auto", torch.device("cpu"), provider=_CountingHead(), loss_head="liger").head \
+        is not None
+    with pytest.raises(UnsupportedError, match="model.loss_head=auto"):
+        apply_fused_kernels(hf, "auto", torch.device("cpu"), provider=Provider(), loss_head="liger")

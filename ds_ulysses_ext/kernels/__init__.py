@@ -8,9 +8,10 @@ Shapes: every op is per token. x [..., H] -> RMSNorm -> [..., H]; gate, up [...,
 compiled once per shape; `auto` Liger where it is installed, else compile, on CUDA only. Each provider is checked at
 first use against the reference in fp32 (kernels/providers.py). Memory policies wrap these forwards afterwards, so a
 tiled MLP runs the fused product per tile. A provider may also have a fused loss head (Liger's fused linear
-cross-entropy): the report's `head`, which CPCausalLM's head runs in place of ds_ulysses_ext/loss.py's.
+cross-entropy): under model.loss_head=liger the report's `head`, which CPCausalLM's head runs in place of
+ds_ulysses_ext/loss.py's. loss.py's own head runs its chunks' softmax rows in kernels/cross_entropy.py on CUDA.
 """
 from .bind import KernelReport, apply_fused_kernels
-from .providers import KERNEL_MODES
+from .providers import KERNEL_MODES, LOSS_HEADS
 
-__all__ = ["apply_fused_kernels", "KernelReport", "KERNEL_MODES"]
+__all__ = ["apply_fused_kernels", "KernelReport", "KERNEL_MODES", "LOSS_HEADS"]

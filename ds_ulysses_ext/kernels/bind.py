@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ..errors import UnsupportedError
 from .providers import provider_for
 
 log = logging.getLogger(__name__)
@@ -52,14 +53,19 @@ class KernelReport:
                 f"{self.ropes} RoPEs{head}{skipped}")
 
 
-def apply_fused_kernels(model: torch.nn.Module, mode: str, device: torch.device, provider=None) -> KernelReport:
-    """`provider`: tests hand a stand-in to exercise the binding on CPU."""
+def apply_fused_kernels(model: torch.nn.Module, mode: str, device: torch.device, provider=None,
+                        loss_head: str = "auto") -> KernelReport:
+    """`provider`: tests hand a stand-in to exercise the binding on CPU. `loss_head` (model.loss_head): `liger` takes
+    the provider's fused head in place of loss.py's, and is refused where the provider has none."""
     provider = provider or provider_for(mode, device)
     report = KernelReport()
     if provider is None:
         return report
     report.provider = provider.name
-    if provider.fused_head:
+    if loss_head == "liger":
+        if not provider.fused_head:
+            raise UnsupportedError(f"model.loss_head=liger: the {provider.name} kernels have no fused loss head (is "
+                                   "Liger-Kernel installed?); set model.kernels=liger, or model.loss_head=auto")
         report.head = provider.linear_cross_entropy_sum
     for module in model.modules():
         if _is_rms_norm(module):

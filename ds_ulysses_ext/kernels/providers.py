@@ -25,6 +25,7 @@ from . import reference
 log = logging.getLogger(__name__)
 
 KERNEL_MODES = ("auto", "liger", "compile", "none")
+LOSS_HEADS = ("auto", "ours", "liger")  # model.loss_head; auto = ours (docs/benchmarks.md, loss head)
 TOLERANCE = 1e-4  # fp32 inputs: a fused kernel differs from the reference by rounding (~1e-6)
 
 

@@ -111,7 +111,7 @@ def build(cfg: TrainConfig, plan: Plan, topo: Topology, device: torch.device, lo
         if topo.ep_size > 1:
             mark_expert_parallel(expert_parameters(hf), topo)  # before deepspeed.initialize partitions them
     # before the memory policies: they wrap these forwards (a tiled MLP runs the fused product per tile)
-    kernels = apply_fused_kernels(hf, cfg.model.kernels, device)
+    kernels = apply_fused_kernels(hf, cfg.model.kernels, device, loss_head=cfg.model.loss_head)
     restore_from_export(hf, cfg.model.path, hf.__dict__.pop("_unread_keys", ()))
     policies = _apply_memory(hf, cfg)
     model = CPCausalLM(hf, loss_chunk_size=cfg.trainer.loss_chunk_size, fused_loss=cfg.trainer.fused_loss,

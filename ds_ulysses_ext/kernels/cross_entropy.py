@@ -1,0 +1,121 @@
+"""Cross-entropy over the rows of one logits block, with its gradient written over the logits: the loss head's
+per-chunk kernel on CUDA (ds_ulysses_ext/loss.py runs the chunking and the three GEMMs around it).
+
+Shapes: logits [C, V] (fp32, bf16 or fp16; last dim contiguous), labels [C] int64 -> loss [C] fp32, and with
+grad=True the logits block overwritten by d(sum loss)/d logits = softmax - onehot (0 on ignored rows) in its own
+dtype, i.e. the value HF's `cross_entropy(logits.float())` backward hands the 16-bit lm_head (fp32, then rounded).
+
+Why our own: loss.py's torch path makes five fp32 passes over each [C, V] block (log-softmax out, gather, exp,
+cast, mask); this kernel reads the 16-bit block twice and writes it once. Liger-Kernel's fused linear
+cross-entropy has a kernel of this kind but chooses its own chunk of tokens, as small as 256 at Qwen3's 152k
+vocabulary, so its weight gradient is summed in 64 GEMMs of depth 256 into an fp32 [V, H], each one bound by
+that buffer's traffic (59 ms of a 240 ms MoE step, docs/benchmarks.md AN), and it reads the token count to the
+host in forward. Here loss.py keeps its chunks (1024-2048 tokens) and its fp32 epilogue GEMM.
+
+Labels outside [0, V) other than the ignore index give a NaN loss (trainer.on_nonfinite then stops or skips the
+step) rather than a read out of bounds; the data pipeline refuses such ids before they get here (engine/data).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+
+BLOCK = 16384  # vocabulary columns per iteration (fp32 registers: 16 per thread at 32 warps)
+NUM_WARPS = 32
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}  # relative, norm-wise; 16 bits: ~1 ulp
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def ce_rows(x_ptr, stride, y_ptr, loss_ptr, V, ignore_index, WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        x_row = x_ptr + row * stride
+        y = tl.load(y_ptr + row)
+        valid = y != ignore_index
+        in_range = (y >= 0) & (y < V)
+        offs = tl.arange(0, BLOCK)
+        # pass 1: a running max and sum of exponentials (one rescale per block, so a masked tail never sees
+        # -inf - -inf)
+        m = -float("inf")
+        s = 0.0
+        for start in range(0, V, BLOCK):
+            cols = start + offs
+            x = tl.load(x_row + cols, mask=cols < V, other=-float("inf")).to(tl.float32)
+            m_new = tl.maximum(m, tl.max(x, 0))
+            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
+            m = m_new
+        lse = m + tl.log(s)
+        x_y = tl.load(x_row + tl.where(in_range, y, 0)).to(tl.float32)  # read before pass 2 overwrites it
+        loss = tl.where(in_range, lse - x_y, float("nan"))
+        tl.store(loss_ptr + row, tl.where(valid, loss, 0.0))
+        if WRITE_GRAD:
+            keep = tl.where(valid, 1.0, 0.0)
+            for start in range(0, V, BLOCK):
+                cols = start + offs
+                mask = cols < V
+                x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+                g = tl.exp(x - lse) - tl.where(cols == y, 1.0, 0.0)
+                tl.store(x_row + cols, (g * keep).to(x_ptr.dtype.element_ty), mask=mask)
+
+    return ce_rows
+
+
+def cross_entropy_rows_(logits_CV: torch.Tensor, labels_C: torch.Tensor, ignore_index: int,
+                        grad: bool) -> torch.Tensor:
+    """Per-row token cross-entropy (fp32 [C], 0 on ignored rows); with grad, logits_CV now holds its gradient."""
+    if logits_CV.stride(-1) != 1:
+        raise ValueError("cross_entropy_rows_ needs the vocabulary dimension contiguous")
+    C, V = logits_CV.shape
+    loss_C = torch.empty(C, dtype=torch.float32, device=logits_CV.device)
+    if C:
+        _kernel()[(C,)](logits_CV, logits_CV.stride(0), labels_C.contiguous(), loss_C, V, ignore_index,
+                        WRITE_GRAD=grad, BLOCK=min(BLOCK, 1 << (V - 1).bit_length()), num_warps=NUM_WARPS)
+    return loss_C
+
+
+def torch_rows(logits_CV: torch.Tensor, labels_C: torch.Tensor, ignore_index: int, grad: bool):
+    """The reference: fp32 log-softmax as HF's cross_entropy on .float() logits -> (loss [C], gradient or None)."""
+    logp = torch.log_softmax(logits_CV.float(), dim=-1)
+    valid = labels_C != ignore_index
+    y = torch.where(valid, labels_C, 0)
+    loss = torch.where(valid, -logp.gather(1, y[:, None]).squeeze(1), 0.0)
+    if not grad:
+        return loss, None
+    g = logp.exp()
+    g[torch.arange(len(y), device=y.device), y] -= 1.0
+    return loss, (g * valid[:, None]).to(logits_CV.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def rows_ok(device: torch.device, dtype: torch.dtype, ignore_index: int) -> bool:
+    """Checked once per (device, dtype): the kernel against torch_rows on a vocabulary that is no multiple of
+    BLOCK (two blocks and a tail) with ignored rows. A failure or a disagreement logs a warning and the caller
+    keeps the torch path (slower, never wrong)."""
+    try:
+        gen = torch.Generator(device=device).manual_seed(0)
+        logits = (4 * torch.randn(33, BLOCK * 2 + 1001, device=device, generator=gen)).to(dtype)
+        labels = torch.randint(0, logits.shape[1], (33,), device=device, generator=gen)
+        labels[::5] = ignore_index
+        ref_loss, ref_grad = torch_rows(logits, labels, ignore_index, True)
+        got = logits.clone()
+        loss = cross_entropy_rows_(got, labels, ignore_index, True)
+        bad = [name for name, a, b, tol in (("loss", loss, ref_loss, 1e-5), ("gradient", got, ref_grad, TOLERANCE[dtype]))
+               if not float((a.float() - b.float()).norm()) <= tol * float(b.float().norm())]
+    except Exception as err:  # a Triton build or launch failure: the torch path still trains
+        log.warning("loss head: the Triton cross-entropy kernel failed on %s %s (%s: %s); using torch's",
+                    device, dtype, type(err).__name__, err)
+        return False
+    if bad:
+        log.warning("loss head: the Triton cross-entropy kernel disagrees with torch on %s %s (%s); using torch's",
+                    device, dtype, ", ".join(bad))
+        return False
+    log.info("loss head: Triton cross-entropy rows checked against torch on %s (%s)", device, dtype)
+    return True
