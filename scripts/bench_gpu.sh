@@ -44,16 +44,19 @@
 #   optimizer    deepspeed=zero0's optimizer phase alone on $OPT_MODEL's parameter shapes (default qwen3_30b_a3b_4l, 3.1B
 #                bf16 parameters): the gradient norm, torch's fused AdamW, the Triton AdamW step and all of ClippingAdamW.step,
 #                each against a copy of as many bytes (scripts/bench_optimizer.py); $OUT/optimizer.jsonl. About 40 s
-#   loss_head    the loss head alone at 16k and 32k tokens, Llama-3's vocabulary, bf16 forward + backward: ours against
-#                Liger-Kernel's fused linear cross-entropy (bf16 and fp32 weight-gradient accumulation), with each one's
-#                weight-gradient error against fp32 (scripts/bench_loss.py); $OUT/loss_head.jsonl
+#   loss_head    the loss head alone at 16k and 32k tokens, Llama-3's vocabulary, bf16 forward + backward: ours (Triton
+#                rows, and torch's) against Liger-Kernel's fused linear cross-entropy (bf16 and fp32 weight-gradient
+#                accumulation), with each one's weight-gradient error against fp32 (scripts/bench_loss.py; $LOSS_ARGS:
+#                more arguments, e.g. --vocab 151936 --chunks 0,2048); $OUT/loss_head.jsonl
 #   track_loss   $TRACK_STEPS (default 50) bf16 steps of the Llama-3.2-1B shape at $TRACK_POINT (default 8192:full_recompute)
 #                with model.kernels=liger and =none, the same data and seed, $TRACK_ARGS (default trainer.lr=1e-4: at
 #                the default 1e-3 this random-init model's bf16 loss climbs, and any rounding difference grows), and a
 #                control (eager, loss chunks of 1024: rounding only): the per-step loss of the fused run and of the
 #                control against the eager one (max, mean, last absolute difference); $OUT/track_loss_<run>.jsonl
 #   moe_short    the 4-layer Qwen3-30B-A3B shape at $MOE_POINTS (default 16384:none): ours with each of $KERNELS ($DS), then
-#                HF + Liger (moe_model_bench.py --liger) at $MOE_HF_SEQS
+#                HF + Liger (moe_model_bench.py --liger) at $MOE_HF_SEQS: that anchor alone takes over 4 min on a fresh
+#                machine (HF's host init of 3.1B parameters, then Liger's fused-MoE kernel compiled and autotuned):
+#                give it a call of its own
 #   moe_train    training steps of the 4-layer Qwen3-30B-A3B shape: ours ($MOE_POINTS, S:memory, bf16 master weights,
 #                $MOE_EXTRA, default moe=expert_recompute) and stock HF (moe_model_bench.py) at $MOE_HF_SEQS
 #   mla_train    training steps of a reduced-depth MLA shape, $MLA_MODEL (default glm4_moe_lite_4l: GLM-4.7-Flash's
@@ -155,7 +158,7 @@ for part in ${*:-attn train_short train_long}; do
                   python3 scripts/bench_train.py --points $pts --steps 4 --anchors hf+liger --order anchors-first --no-ours \
                     | grep RESULT | cut -c1-900 ;;
     optimizer) python3 scripts/bench_optimizer.py --model ${OPT_MODEL:-qwen3_30b_a3b_4l} | tee -a "$OUT/optimizer.jsonl" ;;
-    loss_head) python3 scripts/bench_loss.py --tokens ${LOSS_TOKENS:-16384,32768} | tee -a "$OUT/loss_head.jsonl" ;;
+    loss_head) python3 scripts/bench_loss.py --tokens ${LOSS_TOKENS:-16384,32768} ${LOSS_ARGS:-} | tee -a "$OUT/loss_head.jsonl" ;;
     track_loss) tp=${TRACK_POINT:-8192:full_recompute}
                 for k in liger none control; do
                   # control: eager again, its loss head in chunks of 1024 instead of 2048: a change of bf16 rounding

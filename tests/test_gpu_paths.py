@@ -525,10 +525,11 @@ def test_cross_entropy_rows_kernel_against_torch(dtype):
     loss = cross_entropy_rows_(got, labels, IGNORE_INDEX, grad=True)
     assert loss.dtype == torch.float32 and _rel(loss, ref_loss) < 1e-5, _rel(loss, ref_loss)
     assert torch.all(loss[~valid] == 0) and torch.all(got[~valid] == 0)
-    # elementwise: within one rounding of the dtype (plus fp32's exp error on fp32)
-    ulp = torch.finfo(dtype).eps
-    assert torch.all((got.double() - ref_grad).abs() <= ulp * ref_grad.abs() + 1e-7), \
-        float(((got.double() - ref_grad).abs() - ulp * ref_grad.abs()).max())
+    # elementwise: within one rounding of a 16-bit dtype; in fp32 within 1e-5 relative (Triton's exp and log are
+    # the GPU's approximate ones: on the H200 an entry was 1.4e-7 over one fp32 ulp + 1e-7)
+    rtol = max(torch.finfo(dtype).eps, 1e-5)
+    assert torch.all((got.double() - ref_grad).abs() <= rtol * ref_grad.abs() + 1e-9), \
+        float(((got.double() - ref_grad).abs() - rtol * ref_grad.abs()).max())
     assert torch.equal(cross_entropy_rows_(logits.clone(), labels, IGNORE_INDEX, grad=False), loss)
     bad = labels.clone()
     bad[1] = V

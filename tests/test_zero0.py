@@ -252,11 +252,11 @@ def test_triton_adamw_step_matches_torch_fused_adamw(dtype):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only: a Triton kernel")
 def test_clipping_adamw_takes_the_triton_step_on_cuda(monkeypatch):
     """ClippingAdamW on CUDA runs the Triton step (its first-use check passes on this GPU) and not torch's."""
-    from engine.ds import adamw_kernel, clipping_adamw
+    from engine.ds import clipping_adamw
     assert clipping_adamw.triton_step_ok(torch.device("cuda", torch.cuda.current_device()), torch.bfloat16)
     calls = []
-    real = adamw_kernel.adamw_step
-    monkeypatch.setattr(adamw_kernel, "adamw_step", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = clipping_adamw.adamw_step  # the name ClippingAdamW.step calls (imported once, at module level)
+    monkeypatch.setattr(clipping_adamw, "adamw_step", lambda *a, **k: calls.append(1) or real(*a, **k))
     monkeypatch.setattr(torch.optim.AdamW, "step", lambda *a, **k: pytest.fail("torch's AdamW step ran"))
     p = torch.nn.Parameter(torch.randn(1000, device="cuda", dtype=torch.bfloat16))
     p.grad = torch.randn_like(p)
