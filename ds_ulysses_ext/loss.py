@@ -190,7 +190,14 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         # grad_total is a 0-dim fp32 tensor: the product keeps grad_TH's dtype and is formed in fp32, one rounding
         # (a 16-bit copy of grad_total, e.g. 1/N, would scale every hidden gradient by its rounding error)
         grad_h = None if grad_TH is None else grad_TH * grad_total
-        grad_w = None if grad_VH is None else (grad_VH * grad_total).to(ctx.weight_dtype)
+        grad_w = None
+        if grad_VH is not None:
+            # formed in fp32 and written in the weight dtype: no fp32 [V, H] temporary beside the saved buffer (1.16 GiB
+            # at Qwen3's vocabulary; the MoE step without recompute peaked exactly that much higher with this head
+            # than with Liger's, docs/benchmarks.md AQ). Not in place: a graph kept for a second backward still
+            # holds grad_VH
+            grad_w = torch.empty(grad_VH.shape, dtype=ctx.weight_dtype, device=grad_VH.device)
+            torch.mul(grad_VH, grad_total, out=grad_w)
         return grad_h, grad_w, None, None, None
 
 

@@ -71,6 +71,40 @@ def test_fused_loss_in_bf16_rounds_as_hf_does():
         assert g.dtype == r.dtype and _rel(g.float(), r.float()) < 1e-2
 
 
+def test_fused_loss_backward_makes_no_fp32_weight_sized_temporary():
+    """The head's backward scales its saved fp32 [V, H] weight gradient straight into the 16-bit result: no second
+    fp32 [V, H] tensor (1.16 GiB at Qwen3's vocabulary), and the same values as scaling in fp32 then rounding; the
+    hidden gradient is scaled by the fp32 loss gradient (0-dim), not by a bf16 copy of it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Outputs(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    self.seen.append((str(func), t.dtype, t.numel()))
+            return out
+    torch.manual_seed(0)
+    V, H = 3000, 64
+    weight = (torch.randn(V, H) * 0.5).bfloat16().requires_grad_()
+    hidden = torch.randn(1, 700, H).bfloat16().requires_grad_()
+    labels = torch.randint(0, V, (1, 700))
+    got, count = linear_cross_entropy_sum(weight, hidden, labels, chunk_size=256)
+    saved_h, saved_w = got.grad_fn.saved_tensors  # the forward's gradients: hidden [T, H] 16-bit, weight fp32
+    scale = 1 / count.float()  # 1/700: not exact in bf16
+    mode = Outputs()
+    with mode:
+        g_h, g_w = torch.autograd.grad(got * scale, [hidden, weight])
+    fp32_weight_sized = [op for op, dtype, n in mode.seen if dtype == torch.float32 and n == V * H]
+    assert fp32_weight_sized == [], fp32_weight_sized
+    assert g_w.dtype == torch.bfloat16 and torch.equal(g_w, (saved_w * scale).bfloat16())
+    assert torch.equal(g_h.reshape(saved_h.shape), (saved_h.float() * scale).bfloat16())
+
+
 def test_chunk_sized_to_the_vocabulary():
     from ds_ulysses_ext.loss import chunk_tokens
     # fp32 [C, V] block at most 1 GiB, C a power of two up to 4096: 2^30 / (4 * V) is 2093, 1766 and 8388 tokens
