@@ -36,7 +36,8 @@ class ModelConfig:
     arch: Dict[str, Any] = field(default_factory=dict)
     attn_backend: str = "auto"  # local attention kernel after the all-to-all: auto | sdpa | flash_attn | fa4
     # per-token kernels (RMSNorm, SwiGLU, RoPE) on CUDA: auto (Liger if installed, else torch.compile) | liger | compile |
-    # none (HF's eager modules; what CPU always runs). Each is checked at first use (ds_ulysses_ext/kernels)
+    # none (HF's eager modules and torch's loss-head rows: no fused kernel anywhere; what CPU always runs). Each is
+    # checked at first use (ds_ulysses_ext/kernels)
     kernels: str = "auto"
     # the fused loss head on CUDA: auto (= ours) | ours (ds_ulysses_ext/loss.py's chunks, each chunk's softmax rows in
     # one Triton kernel) | liger (Liger-Kernel's fused linear cross-entropy, fp32 weight-gradient accumulation; needs

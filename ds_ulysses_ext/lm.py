@@ -20,11 +20,12 @@ class HeadLoss(torch.nn.Module):
     as an external parameter) for exactly this forward and backward.
     """
 
-    def __init__(self, lm_head: torch.nn.Module, chunk_size: int, fused: bool, kernel=None):
+    def __init__(self, lm_head: torch.nn.Module, chunk_size: int, fused: bool, kernel=None, fused_rows: bool = True):
         super().__init__()
         self.fused = fused and fusable(lm_head)
         self.chunk_size = chunk_size
         self.kernel = kernel  # a fused head of ds_ulysses_ext.kernels (KernelReport.head), or None: loss.py's
+        self.fused_rows = fused_rows  # loss.py's rows in its Triton kernel on CUDA; False: torch's everywhere
         self._lm_head = [lm_head]  # a list: not a submodule (it stays where HF put it, for export)
         if self.fused:
             # registered before deepspeed.initialize adds ZeRO-3's hooks, so it runs before their gather
@@ -45,18 +46,22 @@ class HeadLoss(torch.nn.Module):
             raise RuntimeError("the lm_head weight is partitioned (ZeRO-3) and was not gathered for the fused "
                                "loss; wrap the model in CPCausalLM before deepspeed.initialize, or pass "
                                "fused_loss=False")
-        return linear_cross_entropy_sum(lm_head.weight, hidden_BsH, labels_Bs, self.chunk_size, self.kernel)
+        return linear_cross_entropy_sum(lm_head.weight, hidden_BsH, labels_Bs, self.chunk_size, self.kernel,
+                                        self.fused_rows)
 
 
 class CPCausalLM(torch.nn.Module):
-    def __init__(self, hf_model, loss_chunk_size: int = 0, fused_loss: bool = True, head_kernel=None):
+    def __init__(self, hf_model, loss_chunk_size: int = 0, fused_loss: bool = True, head_kernel=None,
+                 fused_rows: bool = True):
         """loss_chunk_size: tokens per chunk of the head's logits; 0 sizes it to the vocabulary (loss.chunk_tokens).
-        head_kernel: a fused loss head (ds_ulysses_ext.kernels' KernelReport.head) for a fusable head."""
+        head_kernel: a fused loss head (ds_ulysses_ext.kernels' KernelReport.head) for a fusable head.
+        fused_rows: loss.py's head runs its rows in the Triton kernel on CUDA (model.kernels=none turns it off: the
+        eager reference has no fused kernel anywhere)."""
         super().__init__()
         self.hf = hf_model
         head = hf_model.get_output_embeddings()
         vocab = getattr(head, "out_features", None) or hf_model.config.vocab_size
-        self.head_loss = HeadLoss(head, chunk_tokens(loss_chunk_size, vocab), fused_loss, head_kernel)
+        self.head_loss = HeadLoss(head, chunk_tokens(loss_chunk_size, vocab), fused_loss, head_kernel, fused_rows)
 
     @property
     def config(self):

@@ -105,6 +105,26 @@ def test_fused_loss_backward_makes_no_fp32_weight_sized_temporary():
     assert torch.equal(g_h.reshape(saved_h.shape), (saved_h.float() * scale).bfloat16())
 
 
+def test_the_head_asks_for_the_triton_rows_unless_told_not_to(monkeypatch):
+    """CPCausalLM's head consults loss._triton_rows (the CUDA kernel's gate) for each chunk, and with fused_rows=False
+    (model.kernels=none: the eager reference) never does; the loss is the same either way on CPU."""
+    from ds_ulysses_ext import CPCausalLM, init_topology, shard_batch
+    from ds_ulysses_ext import loss as loss_mod
+    from tiny_models import tiny_model
+    asked = []
+    monkeypatch.setattr(loss_mod, "_triton_rows", lambda device, dtype: asked.append(device) and False)
+    topo = init_topology(1)
+    ids = torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(0))
+    local = shard_batch({"input_ids": ids, "labels": ids.clone()}, topo)
+    torch.manual_seed(0)
+    hf = tiny_model("llama", num_hidden_layers=1)
+    with_rows = CPCausalLM(hf, loss_chunk_size=5)(**local)[0]
+    assert len(asked) == 3  # 12 tokens, chunks of 5 (the last label is shifted out but its row still runs)
+    asked.clear()
+    without = CPCausalLM(hf, loss_chunk_size=5, fused_rows=False)(**local)[0]
+    assert asked == [] and torch.equal(with_rows, without)
+
+
 def test_chunk_sized_to_the_vocabulary():
     from ds_ulysses_ext.loss import chunk_tokens
     # fp32 [C, V] block at most 1 GiB, C a power of two up to 4096: 2^30 / (4 * V) is 2093, 1766 and 8388 tokens

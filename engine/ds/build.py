@@ -115,7 +115,7 @@ def build(cfg: TrainConfig, plan: Plan, topo: Topology, device: torch.device, lo
     restore_from_export(hf, cfg.model.path, hf.__dict__.pop("_unread_keys", ()))
     policies = _apply_memory(hf, cfg)
     model = CPCausalLM(hf, loss_chunk_size=cfg.trainer.loss_chunk_size, fused_loss=cfg.trainer.fused_loss,
-                       head_kernel=kernels.head)
+                       head_kernel=kernels.head, fused_rows=cfg.model.kernels != "none")
     if stage != cfg.deepspeed.zero_stage:
         log.info("deepspeed.zero_stage=%d on one rank runs as ZeRO-%d: same memory, less per-step overhead "
                  "(engine/ds/config.py)", cfg.deepspeed.zero_stage, stage)
