@@ -118,13 +118,15 @@ def _chunk_nll_sum_and_logit_grad(h_CH, weight_VH, y_C, need_grad, fused_rows=Tr
     return nll_sum, g_CV.mul_(valid_C.to(g_CV.dtype)[:, None])
 
 
+@functools.lru_cache(maxsize=None)
 def _triton_rows(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the chunk's rows run in kernels/cross_entropy.py's Triton kernel: CUDA with Triton, checked once
-    per (device, dtype) against the torch rows below (a failure logs a warning and keeps them)."""
+    per (device, dtype) against the torch rows above (a failure logs a warning and keeps them). Cached: it is asked
+    once per chunk."""
     if device.type != "cuda" or importlib.util.find_spec("triton") is None:
         return False
     from .kernels.cross_entropy import rows_ok
-    return rows_ok(device, dtype, IGNORE_INDEX)
+    return rows_ok(device, dtype)
 
 
 def _add_weight_grad(grad_VH: torch.Tensor, g_CV: torch.Tensor, h_CH: torch.Tensor) -> None:

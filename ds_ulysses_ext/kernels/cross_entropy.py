@@ -81,33 +81,25 @@ def cross_entropy_rows_(logits_CV: torch.Tensor, labels_C: torch.Tensor, ignore_
     return loss_C
 
 
-def torch_rows(logits_CV: torch.Tensor, labels_C: torch.Tensor, ignore_index: int, grad: bool):
-    """The reference: fp32 log-softmax as HF's cross_entropy on .float() logits -> (loss [C], gradient or None)."""
-    logp = torch.log_softmax(logits_CV.float(), dim=-1)
-    valid = labels_C != ignore_index
-    y = torch.where(valid, labels_C, 0)
-    loss = torch.where(valid, -logp.gather(1, y[:, None]).squeeze(1), 0.0)
-    if not grad:
-        return loss, None
-    g = logp.exp()
-    g[torch.arange(len(y), device=y.device), y] -= 1.0
-    return loss, (g * valid[:, None]).to(logits_CV.dtype)
-
-
 @functools.lru_cache(maxsize=None)
-def rows_ok(device: torch.device, dtype: torch.dtype, ignore_index: int) -> bool:
-    """Checked once per (device, dtype): the kernel against torch_rows on a vocabulary that is no multiple of
-    BLOCK (two blocks and a tail) with ignored rows. A failure or a disagreement logs a warning and the caller
-    keeps the torch path (slower, never wrong)."""
+def rows_ok(device: torch.device, dtype: torch.dtype) -> bool:
+    """Checked once per (device, dtype): the kernel against loss.py's torch rows (the path CPU runs) on one chunk
+    whose vocabulary is no multiple of BLOCK (two blocks and a tail), with ignored rows: the chunk's loss sum and
+    the logits' gradient. A failure or a disagreement logs a warning and the caller keeps the torch rows (slower,
+    never wrong)."""
+    from ..batch import IGNORE_INDEX
+    from ..loss import _chunk_nll_sum_and_logit_grad  # here, not at import: loss.py imports this module lazily
     try:
         gen = torch.Generator(device=device).manual_seed(0)
-        logits = (4 * torch.randn(33, BLOCK * 2 + 1001, device=device, generator=gen)).to(dtype)
-        labels = torch.randint(0, logits.shape[1], (33,), device=device, generator=gen)
-        labels[::5] = ignore_index
-        ref_loss, ref_grad = torch_rows(logits, labels, ignore_index, True)
-        got = logits.clone()
-        loss = cross_entropy_rows_(got, labels, ignore_index, True)
-        bad = [name for name, a, b, tol in (("loss", loss, ref_loss, 1e-5), ("gradient", got, ref_grad, TOLERANCE[dtype]))
+        hidden = torch.randn(33, 64, device=device, generator=gen).to(dtype)
+        weight = (0.5 * torch.randn(BLOCK * 2 + 1001, 64, device=device, generator=gen)).to(dtype)  # logits ~ N(0, 16)
+        labels = torch.randint(0, weight.shape[0], (33,), device=device, generator=gen)
+        labels[::5] = IGNORE_INDEX
+        ref_sum, ref_grad = _chunk_nll_sum_and_logit_grad(hidden, weight, labels, True, fused_rows=False)
+        got = hidden @ weight.t()
+        loss_sum = cross_entropy_rows_(got, labels, IGNORE_INDEX, True).sum()
+        pairs = (("loss", loss_sum, ref_sum, 1e-5), ("gradient", got, ref_grad, TOLERANCE[dtype]))
+        bad = [name for name, a, b, tol in pairs
                if not float((a.float() - b.float()).norm()) <= tol * float(b.float().norm())]
     except Exception as err:  # a Triton build or launch failure: the torch path still trains
         log.warning("loss head: the Triton cross-entropy kernel failed on %s %s (%s: %s); using torch's",
