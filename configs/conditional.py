@@ -100,6 +100,7 @@ UNCONDITIONAL = (
     "trainer.grad_clip", "trainer.on_nonfinite", "trainer.gc_every", "trainer.eval_every", "trainer.save_every",
     "trainer.save_every_minutes", "trainer.save_at_end", "trainer.resume", "trainer.max_minutes",
     "trainer.stop_after_steps", "trainer.export_hf", "trainer.loss_chunk_size", "trainer.fused_loss",
+    "trainer.optimizer_in_backward",
     "memory.recompute", "memory.offload_activations", "memory.tiled_mlp", "memory.auto",
     "memory.expandable_segments",  # the CUDA allocator's; a CPU run has none to configure, and nothing changes
     "logging.wandb.mode", "logging.progress_bar", "logging.log_every", "logging.phase_times", "logging.profile_step",

@@ -66,6 +66,12 @@ class TrainerConfig:
     loss_chunk_size: int = 0
     # compute each chunk's gradients in forward instead of recomputing lm_head in backward (ds_ulysses_ext/loss.py)
     fused_loss: bool = True
+    # AdamW steps each parameter as soon as backward has its gradient, which is then freed: no step holds every
+    # gradient at once (2.3 GiB at 1B, 5.8 GiB for the 4-layer Qwen3-30B-A3B shape in bf16). The same updates as
+    # the step after backward, which is why it needs deepspeed=zero0, no clipping (trainer.grad_clip=0: the clip
+    # needs every gradient's norm first), one micro-batch per step and on_nonfinite=abort (a skipped step would
+    # have to undo updates already made). engine/ds/clipping_adamw.py
+    optimizer_in_backward: bool = False
 
 
 def check_trainer(t: TrainerConfig) -> None:
@@ -98,6 +104,30 @@ def check_trainer(t: TrainerConfig) -> None:
             f"trainer.keep_checkpoints={t.keep_checkpoints} must be >= 0 (0 = keep every checkpoint)")
     require(t.loss_chunk_size >= 0, f"trainer.loss_chunk_size={t.loss_chunk_size} must be >= 1 (or 0: sized to "
             "the vocabulary)")
+
+
+def check_optimizer_in_backward(cfg: "TrainConfig", grad_accum: int) -> None:
+    """trainer.optimizer_in_backward gives the same updates as the step after backward only where each parameter's
+    update depends on its own gradient alone, and only once per step."""
+    if not cfg.trainer.optimizer_in_backward:
+        return
+    t, why = cfg.trainer, "trainer.optimizer_in_backward=true steps each parameter during backward"
+    require(cfg.deepspeed.zero_stage == 0,
+            f"{why}, on the parameters themselves: it needs deepspeed=zero0 (got deepspeed.zero_stage="
+            f"{cfg.deepspeed.zero_stage}, where DeepSpeed reduces and steps its own gradient partition after "
+            "backward); set deepspeed=zero0 or trainer.optimizer_in_backward=false")
+    require(t.grad_clip == 0,
+            f"{why}, before the global gradient norm is known, so it cannot clip by it (got trainer.grad_clip="
+            f"{t.grad_clip}); set trainer.grad_clip=0 or trainer.optimizer_in_backward=false")
+    require(grad_accum == 1,
+            f"{why}, so every micro-batch would step it again: it needs one micro-batch per optimizer step (got "
+            f"{grad_accum}: trainer.global_batch_size={t.global_batch_size}, trainer.micro_batch_size="
+            f"{t.micro_batch_size}); set trainer.global_batch_size equal to trainer.micro_batch_size x dp, or "
+            "trainer.optimizer_in_backward=false")
+    require(t.on_nonfinite == "abort",
+            f"{why}: a non-finite gradient is seen after earlier parameters were already updated, so "
+            "trainer.on_nonfinite=skip could not leave the step undone; set trainer.on_nonfinite=abort or "
+            "trainer.optimizer_in_backward=false")
 
 
 def check_eval(cfg: "TrainConfig") -> None:

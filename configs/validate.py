@@ -20,7 +20,7 @@ from configs.model import ATTN_BACKENDS, MODEL_SOURCES, SUPPORTED_FAMILIES, chec
 from configs.moe import check_moe
 from configs.parallel import MASTER_WEIGHTS, check_deepspeed, check_parallelism, resolve_ring
 from configs.train import DEVICES, PRECISIONS, TrainConfig
-from configs.trainer import check_batch, check_eval, check_trainer
+from configs.trainer import check_batch, check_eval, check_optimizer_in_backward, check_trainer
 from ds_ulysses_ext.kernels import KERNEL_MODES, LOSS_HEADS
 
 
@@ -61,6 +61,7 @@ def validate(cfg: TrainConfig, world_size: int) -> Plan:
     check_positions(cfg, ring)  # after parallelism.cp/ring are known to be valid: the padding depends on them
     check_rope(cfg)
     grad_accum = check_batch(cfg.trainer, dp)
+    check_optimizer_in_backward(cfg, grad_accum)
     unread = check_conditional_keys(cfg)  # last: each group's own rules name their keys first
     return Plan(
         world_size=world_size,

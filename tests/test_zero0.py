@@ -283,3 +283,77 @@ def test_triton_step_counts_on_the_host_and_reads_the_device_once(monkeypatch):
     loaded = step.clone()  # load_state_dict brings new tensors: read again
     loaded += 1
     assert _host_step(loaded) == 10 and len(reads) == 2
+
+
+# trainer.optimizer_in_backward: each parameter steps inside backward as its gradient completes. The reference is
+# the same zero0 run stepping after backward: the same AdamW kernel on the same gradient gives the same weights, so
+# the losses agree to fp32 rel 1e-5 (to the bit on CPU in practice); the logged norm sums the same squares in
+# another order.
+IN_BWD = W1 + ["deepspeed=zero0", "trainer.grad_clip=0", "trainer.micro_batch_size=4"]
+
+
+@pytest.mark.parametrize("extra", [[], ["model.arch.tie_word_embeddings=true"], ["model=tiny_moe"]],
+                         ids=["untied", "tied", "moe"])
+def test_optimizer_in_backward_follows_the_step_after_backward(tmp_path, extra):
+    if extra == ["model=tiny_moe"]:
+        from test_moe_engine import train as run
+    else:
+        run = train
+    ref = run(tmp_path, "after", 1, IN_BWD + extra)
+    assert len({r["loss"] for r in ref}) == 5
+    got = run(tmp_path, "inside", 1, IN_BWD + extra + ["trainer.optimizer_in_backward=true"])
+    assert_same_trajectory(got, ref, f"optimizer in backward {extra}")
+
+
+@pytest.mark.parametrize("device,dtype", [("cpu", torch.float32), pytest.param("cuda", torch.bfloat16, marks=(
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only: the Triton step inside backward")))])
+def test_optimizer_in_backward_steps_each_tensor_once_and_frees_its_gradient(device, dtype):
+    """The module-level contract on a tied toy model: the weights after three steps equal the step-after-backward
+    ones bit for bit (on CUDA both through the Triton step), at most one gradient is alive whenever a hook steps (so
+    backward never holds them all), and the shared weight (two uses) steps once per backward."""
+    def model(seed):
+        torch.manual_seed(seed)
+        emb = torch.nn.Embedding(11, 64).to(device, dtype)
+        mid = torch.nn.Linear(64, 64).to(device, dtype)
+        return emb, mid
+
+    def loss_of(emb, mid, ids):
+        h = torch.tanh(mid(emb(ids)))
+        return (h @ emb.weight.t()).logsumexp(-1).sum()  # the embedding used again as the head: tied
+
+    kw = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    ref_mods, our_mods = model(0), model(0)
+    ref_params = [p for m in ref_mods for p in m.parameters()]
+    our_params = [p for m in our_mods for p in m.parameters()]
+    ref_opt, our_opt = ClippingAdamW(ref_params, 0.0, **kw), ClippingAdamW(our_params, 0.0, **kw)
+    alive = []  # hooks run in the order registered: these see each gradient just before ours steps it
+    for p in our_params:
+        p.register_post_accumulate_grad_hook(lambda _: alive.append(sum(q.grad is not None for q in our_params)))
+    our_opt.step_in_backward()
+    for step in range(3):
+        ids = torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(step)).to(device)
+        loss_of(*ref_mods, ids).backward()
+        ref_norm = torch.nn.utils.get_total_norm([p.grad.float() for p in ref_params])
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss_of(*our_mods, ids).backward()
+        assert all(p.grad is None for p in our_params)
+        our_opt.step()
+        torch.testing.assert_close(our_opt._global_grad_norm.float(), ref_norm.float(), rtol=1e-5, atol=0)
+        for p, q in zip(our_params, ref_params):
+            assert torch.equal(p, q)
+    assert alive == [1] * (3 * len(our_params)), alive  # one gradient at a time, each tensor once per backward
+    assert [float(our_opt.state[p]["step"]) for p in our_params] == [3.0] * len(our_params)
+
+
+@pytest.mark.parametrize("extra,match", [
+    (["deepspeed=zero2"], r"needs deepspeed=zero0 \(got deepspeed.zero_stage=2"),
+    (["trainer.grad_clip=1.0"], r"cannot clip by it \(got trainer.grad_clip=1.0\)"),
+    (["trainer.micro_batch_size=2"], r"one micro-batch per optimizer step \(got 2"),
+    (["trainer.on_nonfinite=skip"], r"trainer.on_nonfinite=skip could not leave the step undone"),
+])
+def test_optimizer_in_backward_refusals_name_the_fix(extra, match):
+    ok = BASE + IN_BWD + ["trainer.optimizer_in_backward=true"]
+    validate(compose_config(ok), 1)
+    with pytest.raises(ConfigError, match=match):
+        validate(compose_config(ok + extra), 1)

@@ -127,6 +127,10 @@ def build(cfg: TrainConfig, plan: Plan, topo: Topology, device: torch.device, lo
     if stage == 0:  # one rank, no ZeRO: the optimizer steps the parameters and clips inside its fused kernel
         optimizer = ClippingAdamW(model.parameters(), cfg.trainer.grad_clip,
                                   skip_nonfinite=cfg.trainer.on_nonfinite == "skip", **adamw)
+        if cfg.trainer.optimizer_in_backward:
+            optimizer.step_in_backward()
+            log.info("trainer.optimizer_in_backward: each parameter steps in backward as its gradient completes "
+                     "and the gradient is freed (the optimizer phase's work is timed in the backward's)")
     elif "optimizer" not in ds_dict:
         # fused: one kernel over DeepSpeed's flat fp32 partition instead of a chain of foreach passes (the
         # stock-HF anchor steps with fused=True too); torch has it for CUDA and CPU alike

@@ -11,6 +11,13 @@ Here the norm is one multi-tensor pass and the clip coefficient a device scalar 
 each gradient by in-kernel (`grad_scale`, the hook GradScaler uses), so the step never syncs the host. On CUDA the
 step itself runs as engine/ds/adamw_kernel.py's Triton kernel (1.37x torch's fused AdamW on an H200), after a check at
 first use against torch's fused kernel on a small tensor; where Triton is missing or the check fails, torch's.
+
+`step_in_backward()` (trainer.optimizer_in_backward) moves the step into backward: a hook on each parameter steps
+it the moment autograd has accumulated its gradient, then frees that gradient, so the backward's peak holds no
+gradient buffer. The per-element AdamW math is the same kernel on the same inputs (the multi-tensor launch of the
+step after backward only groups tensors), so the updates are the same; the global norm, for the log, is summed
+from each parameter's norm as it goes. Without a clip, with one micro-batch and no skipped steps (configs/trainer.py
+refuses the rest), nothing else reads the gradients between backward and the step.
 """
 from __future__ import annotations
 
@@ -57,9 +64,54 @@ class ClippingAdamW(torch.optim.AdamW):
         self._global_grad_norm = None
         if skip_nonfinite:
             self.overflow = False
+        self.grad_scale = None  # torch's fused AdamW reads it from here: the clip divisor, set by step()
+        self.in_backward = False
+        self._group_of: dict = {}  # in backward: id(parameter) -> the index of its param group
+        self._squares = None  # in backward: the sum of the stepped gradients' squared norms so far (fp64, device)
+
+    def step_in_backward(self) -> None:
+        """Step every parameter inside backward, as its gradient is complete (module docstring)."""
+        if self.clip > 0.0 or self.skip_nonfinite:
+            raise ValueError("a step in backward cannot clip by the global norm nor skip a non-finite step: "
+                             f"clip={self.clip}, skip_nonfinite={self.skip_nonfinite}")
+        self.in_backward = True
+        for index, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                if p.requires_grad:
+                    self._group_of[id(p)] = index
+                    p.register_post_accumulate_grad_hook(self._step_one)
+
+    @torch.no_grad()
+    def _step_one(self, param: torch.Tensor) -> None:
+        norm, = torch._foreach_norm([param.grad], 2.0, dtype=torch.float32)
+        square = norm.double().pow(2)
+        self._squares = square if self._squares is None else self._squares + square
+        groups = self.param_groups
+        group = groups[self._group_of[id(param)]]
+        # the step of this one tensor: its group's settings, its own state (the optimizer's, keyed by the tensor)
+        self.param_groups = [dict(group, params=[param])]
+        try:
+            self._adamw(param.device, param.grad.dtype)
+        finally:
+            self.param_groups = groups
+        param.grad = None
+
+    def _adamw(self, device: torch.device, dtype: torch.dtype) -> None:
+        if triton_step_ok(device, dtype):
+            adamw_step(self, grad_scale=self.grad_scale)
+        else:
+            super().step()
 
     @torch.no_grad()
     def step(self, closure=None):
+        if self.in_backward:  # every parameter was stepped in backward: what is left is the norm for the log
+            if closure is not None or any(p.grad is not None for g in self.param_groups for p in g["params"]):
+                raise RuntimeError("optimizer_in_backward: a gradient reached the step outside backward (a closure, "
+                                   "or a parameter whose gradient was set by hand); its update would be lost")
+            squares, self._squares = self._squares, None
+            self._global_grad_norm = (squares.float().sqrt() if squares is not None else
+                                      torch.zeros((), device=self.param_groups[0]["params"][0].device))
+            return None
         grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
         device = self.param_groups[0]["params"][0].device
         norm = squared_norm(grads, device).sqrt()
