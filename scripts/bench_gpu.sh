@@ -206,9 +206,10 @@ for name, a in zip(('liger', 'control'), runs):
                # a warm machine, from an earlier call's
                [ $rc -eq 0 ] || { echo "passkey: $name failed (rc=$rc, $OUT/$name.log); later stages not run"; break; }
              done ;;
-    gpu_tests) { python3 -m pytest -q -rs -p no:cacheprovider tests/test_gpu_paths.py tests/test_gpu_loss_head.py
+    gpu_tests) { python3 -m pytest -q -rs -p no:cacheprovider tests/test_gpu_paths.py tests/test_gpu_loss_head.py \
+                   tests/test_gpu_moe_kernels.py
                  python3 -m pytest -q -rs -p no:cacheprovider tests/test_moe_gpt_oss.py -k grouped
-                 python3 -m pytest -q -rs -p no:cacheprovider tests/test_zero0.py -k "triton or cuda"; } 2>&1 \
+                 python3 -m pytest -q -rs -p no:cacheprovider tests/test_zero0.py -k "triton or cuda or in_backward and not follows"; } 2>&1 \
                  | tee "$OUT/gpu_tests.txt" | tail -30 ;;
     *) echo "unknown part $part" ;;
   esac

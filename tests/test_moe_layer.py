@@ -183,3 +183,71 @@ def test_ep1_grouped_experts_read_no_count_on_the_host(monkeypatch):
     _close(x_new.grad, x_ref.grad, "input grad")
     for (name, p), p_ref in zip(block.named_parameters(), ref_block.parameters()):
         _close(p.grad, p_ref.grad, name)
+
+
+def test_fused_combine_and_swiglu_wiring_on_cpu(monkeypatch):
+    """The CUDA path's plumbing (the combine's and the expansion's per-token sums, kernels/slot_sum.py; the experts'
+    SwiGLU, kernels/glu.py) on CPU in fp32, each Triton kernel replaced by the torch formula it must compute (written
+    here from its docstring, not taken from the module): which rows each token reads, which gradient goes where. The
+    kernels themselves run in tests/test_gpu_moe_kernels.py."""
+    import ds_ulysses_ext.moe.dispatch as dispatch_module
+    import ds_ulysses_ext.moe.experts as experts_module
+    calls = {"sum": 0, "weighted": 0, "backward": 0, "glu": 0}
+
+    def slot_sum(y, pos, w=None):
+        calls["weighted" if w is not None else "sum"] += 1
+        rows = y[pos]  # [T, k, D]
+        return (rows if w is None else rows * w[..., None]).sum(1)
+
+    def slot_sum_backward(g, y, pos, w):
+        calls["backward"] += 1
+        grad_y = torch.full_like(y, float("nan"))  # every row must be written
+        grad_y[pos.reshape(-1)] = (w[..., None] * g[:, None, :]).reshape(-1, y.shape[1])
+        return grad_y, (g[:, None, :] * y[pos]).sum(-1)
+
+    class Glu(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, h):
+            calls["glu"] += 1
+            ctx.save_for_backward(h)
+            gate, up = h.chunk(2, -1)
+            return gate * torch.sigmoid(gate) * up
+
+        @staticmethod
+        def backward(ctx, g):
+            h, = ctx.saved_tensors
+            gate, up = h.chunk(2, -1)
+            s = torch.sigmoid(gate)
+            return torch.cat([g * up * s * (1 + gate * (1 - s)), g * gate * s], -1)
+
+    spec = MoESpec(16, 8, 2, 12, norm_topk_prob=True)
+    x = torch.randn(2, 9, 16)
+    ref_block, block = _block(spec), _block(spec)
+    ref_block.experts.fused = False
+    x_ref, x_new = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out_ref = ref_block(x_ref)
+    out_ref.square().sum().backward()
+    monkeypatch.setattr(dispatch_module, "_slot_sum_ok", lambda t: True)
+    monkeypatch.setattr(dispatch_module, "slot_sum", slot_sum)
+    monkeypatch.setattr(dispatch_module, "slot_sum_backward", slot_sum_backward)
+    monkeypatch.setattr(experts_module, "glu_ok", lambda *a: True)
+    monkeypatch.setattr(experts_module, "FusedSwiGLU", Glu)
+    monkeypatch.setattr(experts_module, "_grouped_mm_ok", lambda *a: True)  # one activation call, as on CUDA
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # the experts ask the tensor
+    out = block(x_new)
+    out.square().sum().backward()
+    monkeypatch.undo()
+    assert calls == {"sum": 1, "weighted": 1, "backward": 1, "glu": 1}, calls
+    _close(out.detach(), out_ref.detach(), "output")
+    _close(x_new.grad, x_ref.grad, "input grad")
+    for (name, p), p_ref in zip(block.named_parameters(), ref_block.parameters()):
+        _close(p.grad, p_ref.grad, name)
+
+
+def test_fused_moe_kernels_follow_model_kernels():
+    """model.kernels=none keeps the MoE glue on the torch path too (the exactness reference on any device)."""
+    from configs import compose_config
+    from engine.ds.build import moe_settings
+    base = ["model=tiny_moe", "device=cpu", "precision=fp32"]
+    assert moe_settings(compose_config(base + ["model.kernels=none"])).fused_kernels is False
+    assert moe_settings(compose_config(base + ["model.kernels=auto"])).fused_kernels is True

@@ -13,7 +13,8 @@ bf16 atomics are slow and nondeterministic on GPU. (DeepEP's normal-mode combine
 there the weights go before it: deepep.py.)
 
 `AllToAllDispatcher` is the reference: torch's autograd `all_to_all_single` over the EP group with uneven
-splits, exact on CPU (gloo) and GPU (NCCL). With one EP rank it only permutes locally. `DeepEPDispatcher`
+splits, exact on CPU (gloo) and GPU (NCCL). With one EP rank it only permutes locally. On CUDA (`fused`) the
+combine and the expansion's backward are kernels/slot_sum.py's per-token gathers, with the same sums in fp32. `DeepEPDispatcher`
 (deepep.py) is the optional GPU backend with the same interface.
 """
 from __future__ import annotations
@@ -24,6 +25,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+from ..kernels.slot_sum import slot_sum, slot_sum_backward, slot_sum_ok
 
 
 @dataclass
@@ -45,8 +48,8 @@ class Handle:
 class AllToAllDispatcher:
     name = "alltoall"
 
-    def __init__(self, num_experts: int, ep_group=None):
-        self.group = ep_group
+    def __init__(self, num_experts: int, ep_group=None, fused: bool = True):
+        self.group, self.fused = ep_group, fused
         self.ep = dist.get_world_size(ep_group) if ep_group is not None else 1
         if num_experts % self.ep:
             raise ValueError(f"{num_experts} experts do not split over ep={self.ep} ranks")
@@ -57,7 +60,7 @@ class AllToAllDispatcher:
         flat = experts_Tk.reshape(-1)
         order = torch.argsort(flat, stable=True)  # stable: a token's k slots keep their order inside an expert
         inverse = _inverse(order)
-        x_sorted = _ExpandToSlots.apply(x_TD, order, inverse, k)
+        x_sorted = _ExpandToSlots.apply(x_TD, order, inverse, k, self.fused)
         # a scatter-add, not bincount: bincount sizes its output from the largest id, a host read on CUDA
         counts_E = torch.zeros(self.num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
             0, flat, torch.ones_like(flat))
@@ -82,11 +85,13 @@ class AllToAllDispatcher:
             y_source_major = _Permute.apply(y_ND, handle.to_source_major_N, handle.to_expert_major_N)
             y_ND = _exchange(y_source_major, handle.send_splits, handle.recv_splits, self.group)
         T, k = handle.weights_Tk.shape
+        w_Tk = handle.weights_Tk.to(y_ND.dtype)
+        if self.fused and _slot_sum_ok(y_ND):
+            return _WeightedSlotSum.apply(y_ND, handle.slot_inverse_N.view(T, k), w_Tk)
         y_TkD = _Permute.apply(y_ND, handle.slot_inverse_N, handle.slot_order_N).view(T, k, -1)
         # one batched [1, k] x [k, D] product per token: the weighted sum of its k experts, accumulated in fp32 by
         # the GEMM and rounded once (no scatter-add: no atomics, the same order on every layout)
-        w_T1k = handle.weights_Tk.to(y_ND.dtype).unsqueeze(1)
-        return torch.bmm(w_T1k, y_TkD).squeeze(1)
+        return torch.bmm(w_Tk.unsqueeze(1), y_TkD).squeeze(1)
 
 
 class _Permute(torch.autograd.Function):
@@ -108,16 +113,37 @@ class _ExpandToSlots(torch.autograd.Function):
     k slot gradients (a reduction in fp32 accumulation, deterministic) instead of scatter-adding them."""
 
     @staticmethod
-    def forward(ctx, x_TD, order, inverse, k):
+    def forward(ctx, x_TD, order, inverse, k, fused=False):
         ctx.save_for_backward(inverse)
-        ctx.k = k
+        ctx.k, ctx.fused = k, fused
         return x_TD[order // k]
 
     @staticmethod
     def backward(ctx, grad_ND):
         inverse, = ctx.saved_tensors
+        if ctx.fused and _slot_sum_ok(grad_ND):
+            return slot_sum(grad_ND, inverse.view(-1, ctx.k)), None, None, None, None
         g = grad_ND[inverse]
-        return g.view(-1, ctx.k, g.shape[-1]).sum(1), None, None, None
+        return g.view(-1, ctx.k, g.shape[-1]).sum(1), None, None, None, None
+
+
+class _WeightedSlotSum(torch.autograd.Function):
+    """out [T, D] = sum_j w[t, j] * y[pos[t, j]] through kernels/slot_sum.py (the torch path's values)."""
+
+    @staticmethod
+    def forward(ctx, y_ND, pos_Tk, w_Tk):
+        ctx.save_for_backward(y_ND, pos_Tk, w_Tk)
+        return slot_sum(y_ND, pos_Tk, w_Tk)
+
+    @staticmethod
+    def backward(ctx, grad_TD):
+        y_ND, pos_Tk, w_Tk = ctx.saved_tensors
+        grad_y, grad_w = slot_sum_backward(grad_TD, y_ND, pos_Tk, w_Tk)
+        return grad_y, None, grad_w
+
+
+def _slot_sum_ok(t: torch.Tensor) -> bool:
+    return t.is_cuda and slot_sum_ok(t.device, t.dtype)
 
 
 def _inverse(perm: torch.Tensor) -> torch.Tensor:

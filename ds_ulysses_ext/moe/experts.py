@@ -41,6 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from ..kernels.glu import FusedSwiGLU, glu_ok
+
 RECOMPUTE_MODES = ("none", "act", "experts")
 LAYOUTS = ("qwen3", "gpt_oss")
 # the layouts whose torch._grouped_mm path has passed its GPU test (tests/test_moe_gpt_oss.py -k grouped, both
@@ -81,6 +83,8 @@ class GroupedExperts(torch.nn.Module):
             self.gate_up_proj_bias = torch.nn.Parameter(torch.empty(num_local_experts, I2))
             self.down_proj_bias = torch.nn.Parameter(torch.empty(num_local_experts, dim))
         self.recompute, self.group_size, self.offload_inputs = recompute, max(1, group_size), offload_inputs
+        # on CUDA, Qwen3's SwiGLU through kernels/glu.py (checked at first use); false: the torch path, the reference
+        self.fused = True
         self.ffn_calls = 0  # expert-group FFN evaluations, forward and recompute alike (tests count recompute)
 
     @property
@@ -104,6 +108,8 @@ class GroupedExperts(torch.nn.Module):
     def _act(self, h_N2I: torch.Tensor) -> torch.Tensor:
         if self.activation == "gpt_oss":
             return _gpt_oss_glu(h_N2I, self.alpha, self.limit)
+        if self.fused and h_N2I.is_cuda and glu_ok(h_N2I.device, h_N2I.dtype):
+            return FusedSwiGLU.apply(h_N2I)
         return _swiglu(h_N2I)
 
     def groups(self, counts: list[int]):

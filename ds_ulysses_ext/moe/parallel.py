@@ -42,6 +42,10 @@ class MoESettings:
     # dispatcher=deepep at ep=1 (DeepEP's low-latency mode): its buffer's tokens per rank, i.e. the most tokens one
     # MoE call sees on a rank (micro-batch x local sequence); a multiple of 4, at most 511 by default (deepep.py)
     max_tokens_per_rank: int = 0
+    # on CUDA, the combine, the slot expansion's backward and the experts' SwiGLU as Triton kernels (kernels/
+    # slot_sum.py, kernels/glu.py), each checked against the torch path at first use; false: the torch path, the
+    # reference (the engine sets it from model.kernels != none)
+    fused_kernels: bool = True
 
     def check(self) -> None:
         for name, value, choices in (("dispatcher", self.dispatcher, DISPATCHERS),
@@ -165,6 +169,7 @@ def enable_expert_parallel(model, topology: Topology, settings: MoESettings = Mo
         block.experts.recompute = settings.recompute
         block.experts.group_size = settings.recompute_group_size
         block.experts.offload_inputs = settings.offload_inputs
+        block.experts.fused = settings.fused_kernels
         block._ctx[0] = ctx
     model._moe_context = ctx
     model._moe_settings = settings
@@ -205,7 +210,8 @@ def _dispatcher(settings: MoESettings, num_experts: int, topology: Topology, dim
         log.info("MoE dispatcher: torch all-to-all over ep=%d%s", topology.ep_size,
                  " (moe.dispatcher=auto: DeepEP runs only when asked for, docs/moe.md)"
                  if settings.dispatcher == "auto" else "")
-    return AllToAllDispatcher(num_experts, topology.ep_group if topology.ep_size > 1 else None)
+    return AllToAllDispatcher(num_experts, topology.ep_group if topology.ep_size > 1 else None,
+                              fused=settings.fused_kernels)
 
 
 def expert_parameters(model) -> list[torch.nn.Parameter]:

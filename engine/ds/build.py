@@ -165,7 +165,8 @@ def moe_settings(cfg: TrainConfig) -> MoESettings:
     return MoESettings(dispatcher=m.dispatcher, balance=m.balance, aux_loss_coef=m.aux_loss_coef,
                        bias_update_rate=m.bias_update_rate, recompute=m.recompute,
                        recompute_group_size=m.recompute_group_size, offload_inputs=m.offload_inputs,
-                       max_tokens_per_rank=deepep_tokens_per_rank(cfg) if m.dispatcher == "deepep" else 0)
+                       max_tokens_per_rank=deepep_tokens_per_rank(cfg) if m.dispatcher == "deepep" else 0,
+                       fused_kernels=cfg.model.kernels != "none")
 
 
 def _apply_memory(hf, cfg: TrainConfig):

@@ -1,0 +1,103 @@
+"""The MoE glue's Triton kernels on a CUDA SM90 GPU (skipped elsewhere; `bash scripts/bench_gpu.sh gpu_tests`):
+kernels/slot_sum.py (the combine and the slot expansion's backward) and kernels/glu.py (the experts' SwiGLU),
+against fp32 formulas written here, and the whole MoE block with them against the same block on the torch path.
+fp32: relative 1e-5 per tensor; bf16: one rounding of the output (2**-8 relative per element, the values being
+sums in fp32 rounded once) unless a test says why not."""
+import pytest
+import torch
+
+import test_gpu_paths
+from test_gpu_paths import _rel
+
+pytestmark = test_gpu_paths.pytestmark  # the same SM90 skip
+
+
+def _within_one_rounding(got, ref_fp32, what, magnitude=None):
+    """`magnitude`: the sum of the terms' absolute values, where the value is a sum computed in fp32 (its own
+    rounding errors, a few fp32 ulps of that, matter where the terms cancel)."""
+    err = (got.float() - ref_fp32).abs()
+    bound = 2.0 ** -8 * ref_fp32.abs() + (0 if magnitude is None else 2.0 ** -20 * magnitude) + 1e-30
+    assert bool((err <= bound).all()), (what, float((err / ref_fp32.abs().clamp_min(1e-30)).max()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_slot_sum_kernels_against_the_fp32_formula(dtype):
+    from ds_ulysses_ext.kernels.slot_sum import slot_sum, slot_sum_backward, slot_sum_ok
+    dev = torch.device("cuda", torch.cuda.current_device())
+    assert slot_sum_ok(dev, dtype), "see the log line that says why"
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    T, k, D = 3000, 8, 2048  # Qwen3-30B-A3B's top-8 and hidden size
+    y = torch.randn(T * k, D, device="cuda", generator=gen).to(dtype)
+    pos = torch.randperm(T * k, device="cuda", generator=gen).view(T, k)
+    w = torch.rand(T, k, device="cuda", generator=gen).to(dtype)
+    g = torch.randn(T, D, device="cuda", generator=gen).to(dtype)
+    y32, w32, g32 = y.double(), w.double(), g.double()
+    ref = (y32[pos] * w32[..., None]).sum(1)
+    ref_gy = torch.empty_like(y32)
+    ref_gy[pos.reshape(-1)] = (w32[..., None] * g32[:, None, :]).reshape(-1, D)
+    ref_gw = (g32[:, None, :] * y32[pos]).sum(-1)
+    got_gy, got_gw = slot_sum_backward(g, y, pos, w)
+    if dtype == torch.float32:
+        for name, got, want in (("forward", slot_sum(y, pos, w), ref), ("sum", slot_sum(y, pos), y32[pos].sum(1)),
+                                ("grad_y", got_gy, ref_gy), ("grad_w", got_gw, ref_gw)):
+            assert _rel(got.double(), want) < 1e-5, name
+    else:
+        # products of two bf16 values are exact in fp32, their sums of k = 8 nearly so: one rounding at the store
+        _within_one_rounding(slot_sum(y, pos, w), ref.float(), "forward", (y32[pos] * w32[..., None]).abs().sum(1))
+        _within_one_rounding(slot_sum(y, pos), y32[pos].sum(1).float(), "sum", y32[pos].abs().sum(1))
+        _within_one_rounding(got_gy, ref_gy.float(), "grad_y")
+        assert _rel(got_gw.double(), ref_gw) < 2 ** -8, "grad_w"  # a 2048-term dot product: norm-wise
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_kernels_against_the_fp32_formula(dtype):
+    from ds_ulysses_ext.kernels.glu import FusedSwiGLU, glu_ok
+    dev = torch.device("cuda", torch.cuda.current_device())
+    assert glu_ok(dev, dtype), "see the log line that says why"
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    N, I = 5000, 768  # Qwen3-30B-A3B's expert intermediate size
+    h = (3 * torch.randn(N, 2 * I, device="cuda", generator=gen)).to(dtype).requires_grad_()
+    g = torch.randn(N, I, device="cuda", generator=gen).to(dtype)
+    h64 = h.detach().double().requires_grad_()
+    gate, up = h64.chunk(2, -1)
+    ref = gate * torch.sigmoid(gate) * up
+    ref_grad, = torch.autograd.grad(ref, h64, g.double())
+    out = FusedSwiGLU.apply(h)
+    out.backward(g)
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -8
+    assert _rel(out.double(), ref) < tol and _rel(h.grad.double(), ref_grad) < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_block_with_the_kernels_against_the_torch_path(dtype):
+    """The Qwen3-30B-A3B block at ep=1 on CUDA, the same weights and input, kernels on and off (the torch path, what
+    model.kernels=none runs): output, input and parameter gradients. The routing is the same in both (the router
+    runs the same ops); the kernels change only roundings: fp32 rel 1e-5, bf16 2e-2 as test_gpu_paths."""
+    from ds_ulysses_ext.kernels.glu import glu_ok
+    from ds_ulysses_ext.kernels.slot_sum import slot_sum_ok
+    from ds_ulysses_ext.moe import AllToAllDispatcher, MoEBlock, MoEContext, MoESpec
+    dev = torch.device("cuda", torch.cuda.current_device())
+    assert slot_sum_ok(dev, dtype) and glu_ok(dev, dtype)
+    spec = MoESpec(2048, 128, 8, 768, norm_topk_prob=True)
+    blocks = []
+    for fused in (False, True):
+        torch.manual_seed(0)
+        block = MoEBlock(spec).to(device="cuda", dtype=dtype)
+        for p in block.parameters():
+            torch.nn.init.normal_(p, std=0.02)
+        block.experts.fused = fused
+        block._ctx[0] = MoEContext(dispatcher=AllToAllDispatcher(128, fused=fused), balance="none")
+        blocks.append(block)
+    x = torch.randn(1, 4096, 2048, device="cuda", dtype=dtype, generator=torch.Generator(device="cuda").manual_seed(1))
+    grad = torch.randn_like(x)
+    outs, xs = [], []
+    for block in blocks:
+        xi = x.clone().requires_grad_()
+        out = block(xi)
+        out.backward(grad)
+        outs.append(out.detach())
+        xs.append(xi.grad)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert _rel(outs[1], outs[0]) < tol and _rel(xs[1], xs[0]) < tol
+    for (name, p), q in zip(blocks[1].named_parameters(), blocks[0].parameters()):
+        assert _rel(p.grad, q.grad) < tol, name
