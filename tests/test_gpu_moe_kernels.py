@@ -101,3 +101,17 @@ def test_moe_block_with_the_kernels_against_the_torch_path(dtype):
     assert _rel(outs[1], outs[0]) < tol and _rel(xs[1], xs[0]) < tol
     for (name, p), q in zip(blocks[1].named_parameters(), blocks[0].parameters()):
         assert _rel(p.grad, q.grad) < tol, name
+
+
+def test_first_use_checks_save_nothing_for_backward():
+    """The checks run at the first call, which may be inside a checkpointed layer's forward: a check that saved
+    tensors for backward there would make the recomputation save fewer (torch.utils.checkpoint's CheckpointError,
+    seen on the H200 with full_recompute)."""
+    from ds_ulysses_ext.kernels.glu import glu_ok
+    from ds_ulysses_ext.kernels.slot_sum import slot_sum_ok
+    dev = torch.device("cuda", torch.cuda.current_device())
+
+    def pack(t):
+        raise AssertionError("a first-use check saved a tensor for backward")
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        assert slot_sum_ok.__wrapped__(dev, torch.bfloat16) and glu_ok.__wrapped__(dev, torch.bfloat16)
