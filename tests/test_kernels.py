@@ -252,3 +252,23 @@ def test_the_loss_head_setting_picks_whose_head_runs():
         is not None
     with pytest.raises(UnsupportedError, match="model.loss_head=auto"):
         apply_fused_kernels(hf, "auto", torch.device("cpu"), provider=Provider(), loss_head="liger")
+
+
+def test_first_use_check_keeps_the_torch_path_unless_the_kernel_agrees(caplog):
+    """kernels/first_use.py, which every hand-written Triton kernel's check goes through: agreement within the
+    tolerance passes; a disagreement in any pair, or a kernel that raises (a Triton build failure), keeps torch's
+    path and says why in a warning."""
+    import logging
+
+    from ds_ulysses_ext.kernels.first_use import agrees
+    ref = torch.arange(1.0, 9.0)
+    dev = torch.device("cpu")
+    assert agrees("k", dev, torch.float32, lambda: [("a", ref * (1 + 1e-7), ref, 1e-5)])
+    with caplog.at_level(logging.WARNING):
+        assert not agrees("k", dev, torch.float32, lambda: [("a", ref, ref, 1e-5), ("b", ref * 1.01, ref, 1e-5)])
+        assert "disagree with torch" in caplog.text and "(b)" in caplog.text
+
+        def broken():
+            raise RuntimeError("no Triton here")
+        assert not agrees("k", dev, torch.float32, broken)
+        assert "RuntimeError: no Triton here" in caplog.text

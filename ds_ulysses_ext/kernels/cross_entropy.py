@@ -18,11 +18,10 @@ step) rather than a read out of bounds; the data pipeline refuses such ids befor
 from __future__ import annotations
 
 import functools
-import logging
 
 import torch
 
-log = logging.getLogger(__name__)
+from .first_use import agrees
 
 BLOCK = 16384  # vocabulary columns per iteration (fp32 registers: 16 per thread at 32 warps)
 NUM_WARPS = 32
@@ -89,7 +88,8 @@ def rows_ok(device: torch.device, dtype: torch.dtype) -> bool:
     never wrong)."""
     from ..batch import IGNORE_INDEX
     from ..loss import _chunk_nll_sum_and_logit_grad  # here, not at import: loss.py imports this module lazily
-    try:
+
+    def pairs():
         gen = torch.Generator(device=device).manual_seed(0)
         hidden = torch.randn(33, 64, device=device, generator=gen).to(dtype)
         weight = (0.5 * torch.randn(BLOCK * 2 + 1001, 64, device=device, generator=gen)).to(dtype)  # logits ~ N(0, 16)
@@ -98,16 +98,5 @@ def rows_ok(device: torch.device, dtype: torch.dtype) -> bool:
         ref_sum, ref_grad = _chunk_nll_sum_and_logit_grad(hidden, weight, labels, True, fused_rows=False)
         got = hidden @ weight.t()
         loss_sum = cross_entropy_rows_(got, labels, IGNORE_INDEX, True).sum()
-        pairs = (("loss", loss_sum, ref_sum, 1e-5), ("gradient", got, ref_grad, TOLERANCE[dtype]))
-        bad = [name for name, a, b, tol in pairs
-               if not float((a.float() - b.float()).norm()) <= tol * float(b.float().norm())]
-    except Exception as err:  # a Triton build or launch failure: the torch path still trains
-        log.warning("loss head: the Triton cross-entropy kernel failed on %s %s (%s: %s); using torch's",
-                    device, dtype, type(err).__name__, err)
-        return False
-    if bad:
-        log.warning("loss head: the Triton cross-entropy kernel disagrees with torch on %s %s (%s); using torch's",
-                    device, dtype, ", ".join(bad))
-        return False
-    log.info("loss head: Triton cross-entropy rows checked against torch on %s (%s)", device, dtype)
-    return True
+        return ("loss", loss_sum, ref_sum, 1e-5), ("gradient", got, ref_grad, TOLERANCE[dtype])
+    return agrees("loss head: the Triton cross-entropy rows", device, dtype, pairs)

@@ -17,12 +17,11 @@ gate and up as two contiguous tensors, which the stacked projection's halves are
 from __future__ import annotations
 
 import functools
-import logging
 
 import torch
 import torch.nn.functional as F
 
-log = logging.getLogger(__name__)
+from .first_use import agrees
 
 BLOCK = 1024
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}  # relative, norm-wise; 16 bits: ~1 ulp
@@ -106,7 +105,7 @@ def glu_ok(device: torch.device, dtype: torch.dtype) -> bool:
     multiple of BLOCK. A failure or a disagreement logs a warning and the caller keeps the torch path."""
     if device.type != "cuda":
         return False
-    try:
+    def pairs():
         # no autograd here: the first call may come inside a checkpointed layer's forward, whose recomputation
         # must save exactly the tensors the forward saved
         with torch.no_grad():
@@ -117,16 +116,6 @@ def glu_ok(device: torch.device, dtype: torch.dtype) -> bool:
             sig = torch.sigmoid(gate)
             ref = gate * sig * up
             ref_grad = torch.cat([g.float() * up * sig * (1 + gate * (1 - sig)), g.float() * gate * sig], dim=-1)
-            pairs = (("forward", glu_forward(h), ref), ("backward", glu_backward(g, h), ref_grad))
-            bad = [name for name, a, b in pairs
-                   if not float((a.float() - b.float()).norm()) <= TOLERANCE[dtype] * float(b.float().norm())]
-    except Exception as err:  # a Triton build or launch failure: the torch path still trains
-        log.warning("MoE experts: the Triton SwiGLU kernels failed on %s %s (%s: %s); using torch's", device, dtype,
-                    type(err).__name__, err)
-        return False
-    if bad:
-        log.warning("MoE experts: the Triton SwiGLU kernels disagree with torch on %s %s (%s); using torch's",
-                    device, dtype, ", ".join(bad))
-        return False
-    log.info("MoE experts: Triton SwiGLU kernels checked against torch on %s (%s)", device, dtype)
-    return True
+            tol = TOLERANCE[dtype]
+            return ("forward", glu_forward(h), ref, tol), ("backward", glu_backward(g, h), ref_grad, tol)
+    return agrees("MoE experts: the Triton SwiGLU kernels", device, dtype, pairs)

@@ -18,11 +18,10 @@ reads its k rows once. pos is a permutation, so every row of grad_y is written e
 from __future__ import annotations
 
 import functools
-import logging
 
 import torch
 
-log = logging.getLogger(__name__)
+from .first_use import agrees
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}  # relative, norm-wise; 16 bits: ~1 ulp
 
@@ -109,7 +108,7 @@ def slot_sum_ok(device: torch.device, dtype: torch.dtype) -> bool:
     the torch path (slower, never wrong)."""
     if device.type != "cuda":
         return False
-    try:
+    def pairs():
         # no autograd here: the first call may come inside a checkpointed layer's forward, whose recomputation
         # must save exactly the tensors the forward saved
         with torch.no_grad():
@@ -123,18 +122,8 @@ def slot_sum_ok(device: torch.device, dtype: torch.dtype) -> bool:
             ref_gy[pos.reshape(-1)] = (w[..., None] * g[:, None, :]).reshape(-1, D)
             ref_gw = torch.bmm(g.unsqueeze(1), y[pos.reshape(-1)].view(T, k, D).transpose(1, 2)).squeeze(1)
             got_gy, got_gw = slot_sum_backward(g, y, pos, w)
-            pairs = (("forward", slot_sum(y, pos, w), reference_slot_sum(y, pos, w)),
-                     ("sum", slot_sum(y, pos), reference_slot_sum(y, pos)),
-                     ("grad_y", got_gy, ref_gy), ("grad_w", got_gw, ref_gw))
-            bad = [name for name, a, b in pairs
-                   if not float((a.float() - b.float()).norm()) <= TOLERANCE[dtype] * float(b.float().norm())]
-    except Exception as err:  # a Triton build or launch failure: the torch path still trains
-        log.warning("MoE combine: the Triton slot-sum kernels failed on %s %s (%s: %s); using torch's", device,
-                    dtype, type(err).__name__, err)
-        return False
-    if bad:
-        log.warning("MoE combine: the Triton slot-sum kernels disagree with torch on %s %s (%s); using torch's",
-                    device, dtype, ", ".join(bad))
-        return False
-    log.info("MoE combine: Triton slot-sum kernels checked against torch on %s (%s)", device, dtype)
-    return True
+            tol = TOLERANCE[dtype]
+            return (("forward", slot_sum(y, pos, w), reference_slot_sum(y, pos, w), tol),
+                    ("sum", slot_sum(y, pos), reference_slot_sum(y, pos), tol),
+                    ("grad_y", got_gy, ref_gy, tol), ("grad_w", got_gw, ref_gw, tol))
+    return agrees("MoE combine: the Triton slot-sum kernels", device, dtype, pairs)
