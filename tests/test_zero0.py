@@ -357,3 +357,16 @@ def test_optimizer_in_backward_refusals_name_the_fix(extra, match):
     validate(compose_config(ok), 1)
     with pytest.raises(ConfigError, match=match):
         validate(compose_config(ok + extra), 1)
+
+
+def test_optimizer_in_backward_resumes_the_same_trajectory(tmp_path):
+    """A checkpoint of a run stepping in backward holds torch's AdamW state as the step after backward does: the
+    resumed run's hooks step from the loaded moments and counts, and its steps 4-5 equal the uninterrupted run's."""
+    extra = IN_BWD + ["trainer.optimizer_in_backward=true"]
+    full = train(tmp_path, "full", 1, extra)
+    first = train(tmp_path, "resumed", 1, extra + ["trainer.save_every=3", "trainer.stop_after_steps=3"])
+    assert [r["step"] for r in first] == [1, 2, 3]
+    both = train(tmp_path, "resumed", 1, extra)
+    assert [r["step"] for r in both] == [1, 2, 3, 4, 5]
+    for got, ref in zip(both[3:], full[3:]):
+        assert got["loss"] == ref["loss"] and got["grad_norm"] == ref["grad_norm"], (got, ref)
