@@ -32,7 +32,9 @@
 #   train_1m     one 1,048,576-token step of ours (memory=long_context); about 14 min at the measured 256k rate,
 #                which is over the device's 10-minute command limit on one H200
 #   moe_block    the MoE block, Qwen3-30B-A3B shape, bf16 fwd+bwd at 16k and 64k tokens: ours (scripts/bench_moe.py,
-#                recompute none / experts / experts + offload) and the anchor, HF's grouped_mm block (moe_bench.py)
+#                recompute none / experts / experts + offload) and the anchors, HF's grouped_mm block (moe_bench.py)
+#                and Liger's fused experts ($MOE_ANCHORS, default grouped_mm,liger; Liger's Triton autotune of its
+#                fused MoE kernel took over 170 s on a fresh machine on 2026-12-03: give the call 5 minutes)
 #   kernels_short  Llama-3.2-1B shape at $SHORT_POINTS (default 16k and 32k, full_recompute, bf16 master weights): ours
 #                with each model.kernels of $KERNELS (default "liger none"; $DS: the deepspeed preset, default zero3, e.g.
 #                zero0), then HF + Liger ($SHORT_ANCHORS)
@@ -144,7 +146,8 @@ for part in ${*:-attn train_short train_long}; do
     bg_1m_wait) BG=/tmp/bg1m bash scripts/bench_bg.sh wait "${WAIT_S:-570}" ;;
     moe_block) python3 scripts/bench_moe.py --tokens 16384,65536 --modes ${MOE_MODES:-none,experts_g8,experts,experts_offload} \
                  | tee -a "$OUT/moe_block.jsonl"
-               python3 .bench/anchor-bench/moe_bench.py --tokens 16384,65536 --impls grouped_mm | tee -a "$OUT/moe_block.jsonl" ;;
+               python3 .bench/anchor-bench/moe_bench.py --tokens 16384,65536 --impls ${MOE_ANCHORS:-grouped_mm,liger} \
+                 | grep RESULT | tee -a "$OUT/moe_block.jsonl" ;;
     kernels_short) for k in ${KERNELS:-liger none}; do
                      python3 scripts/bench_train.py --points ${SHORT_POINTS:-16384:full_recompute,32768:full_recompute} \
                        --steps 4 --deepspeed ${DS:-zero3} deepspeed.master_weights=bf16 model.kernels=$k ${EXTRA:-}; done
