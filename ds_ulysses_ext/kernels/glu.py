@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 
 from .first_use import agrees
 
@@ -94,17 +93,13 @@ class FusedSwiGLU(torch.autograd.Function):
         return glu_backward(grad_NI, h_N2I)
 
 
-def reference_swiglu(h_N2I: torch.Tensor) -> torch.Tensor:
-    gate, up = h_N2I.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
 @functools.lru_cache(maxsize=None)
 def glu_ok(device: torch.device, dtype: torch.dtype) -> bool:
     """Checked once per (device, dtype): forward and backward against the fp32 formula on a width that is no
     multiple of BLOCK. A failure or a disagreement logs a warning and the caller keeps the torch path."""
     if device.type != "cuda":
         return False
+
     def pairs():
         # no autograd here: the first call may come inside a checkpointed layer's forward, whose recomputation
         # must save exactly the tensors the forward saved

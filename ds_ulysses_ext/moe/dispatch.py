@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-from ..kernels.slot_sum import slot_sum, slot_sum_backward, slot_sum_ok
+from ..kernels.slot_sum import reference_slot_sum, slot_sum, slot_sum_backward, slot_sum_ok
 
 
 @dataclass
@@ -121,10 +121,8 @@ class _ExpandToSlots(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_ND):
         inverse, = ctx.saved_tensors
-        if ctx.fused and _slot_sum_ok(grad_ND):
-            return slot_sum(grad_ND, inverse.view(-1, ctx.k)), None, None, None, None
-        g = grad_ND[inverse]
-        return g.view(-1, ctx.k, g.shape[-1]).sum(1), None, None, None, None
+        total = slot_sum if ctx.fused and _slot_sum_ok(grad_ND) else reference_slot_sum
+        return total(grad_ND, inverse.view(-1, ctx.k)), None, None, None, None
 
 
 class _WeightedSlotSum(torch.autograd.Function):

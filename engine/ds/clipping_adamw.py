@@ -15,8 +15,8 @@ first use against torch's fused kernel on a small tensor; where Triton is missin
 `step_in_backward()` (trainer.optimizer_in_backward) moves the step into backward: a hook on each parameter steps
 it the moment autograd has accumulated its gradient, then frees that gradient, so the backward's peak holds no
 gradient buffer. The per-element AdamW math is the same kernel on the same inputs (the multi-tensor launch of the
-step after backward only groups tensors), so the updates are the same; the global norm, for the log, is summed
-from each parameter's norm as it goes. Without a clip, with one micro-batch and no skipped steps (configs/trainer.py
+step after backward only groups tensors), so the updates are the same; the global norm, for the log, is summed at
+the step from each parameter's norm, taken as it went. Without a clip, with one micro-batch and no skipped steps (configs/trainer.py
 refuses the rest), nothing else reads the gradients between backward and the step.
 """
 from __future__ import annotations
@@ -35,7 +35,10 @@ def squared_norm(grads: list, device: torch.device) -> torch.Tensor:
     norms (bf16 ones would round to 8 bits), their squares summed in fp64 as DeepSpeed sums its own."""
     if not grads:
         return torch.zeros((), dtype=torch.float32, device=device)
-    norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
+    return _sum_of_squares(torch._foreach_norm(grads, 2.0, dtype=torch.float32))
+
+
+def _sum_of_squares(norms: list) -> torch.Tensor:
     return torch.stack(norms).double().pow(2).sum().float()
 
 
@@ -67,7 +70,7 @@ class ClippingAdamW(torch.optim.AdamW):
         self.grad_scale = None  # torch's fused AdamW reads it from here: the clip divisor, set by step()
         self.in_backward = False
         self._group_of: dict = {}  # in backward: id(parameter) -> the index of its param group
-        self._squares = None  # in backward: the sum of the stepped gradients' squared norms so far (fp64, device)
+        self._norms: list = []  # in backward: the stepped gradients' fp32 norms (device scalars), summed at the step
 
     def step_in_backward(self) -> None:
         """Step every parameter inside backward, as its gradient is complete (module docstring)."""
@@ -83,9 +86,7 @@ class ClippingAdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def _step_one(self, param: torch.Tensor) -> None:
-        norm, = torch._foreach_norm([param.grad], 2.0, dtype=torch.float32)
-        square = norm.double().pow(2)
-        self._squares = square if self._squares is None else self._squares + square
+        self._norms += torch._foreach_norm([param.grad], 2.0, dtype=torch.float32)
         groups = self.param_groups
         group = groups[self._group_of[id(param)]]
         # the step of this one tensor: its group's settings, its own state (the optimizer's, keyed by the tensor)
@@ -108,8 +109,8 @@ class ClippingAdamW(torch.optim.AdamW):
             if closure is not None or any(p.grad is not None for g in self.param_groups for p in g["params"]):
                 raise RuntimeError("optimizer_in_backward: a gradient reached the step outside backward (a closure, "
                                    "or a parameter whose gradient was set by hand); its update would be lost")
-            squares, self._squares = self._squares, None
-            self._global_grad_norm = (squares.float().sqrt() if squares is not None else
+            norms, self._norms = self._norms, []
+            self._global_grad_norm = (_sum_of_squares(norms).sqrt() if norms else
                                       torch.zeros((), device=self.param_groups[0]["params"][0].device))
             return None
         grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
