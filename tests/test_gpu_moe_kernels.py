@@ -69,13 +69,39 @@ def test_swiglu_kernels_against_the_fp32_formula(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_moe_block_with_the_kernels_against_the_torch_path(dtype):
+def test_weighted_swiglu_backward_against_the_fp32_formula(dtype):
+    """kernels/glu.py glu_weighted_backward (the lean pass's): grad_h for grad_act = w * u, <u, act> per row, w * act;
+    a width over one block (the kernel loops over column blocks)."""
+    from ds_ulysses_ext.kernels.glu import glu_ok, glu_weighted_backward
+    dev = torch.device("cuda", torch.cuda.current_device())
+    assert glu_ok(dev, dtype), "see the log line that says why"
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for N, I in ((5000, 768), (300, 1500)):
+        h = (3 * torch.randn(N, 2 * I, device="cuda", generator=gen)).to(dtype)
+        u = torch.randn(N, I, device="cuda", generator=gen).to(dtype)
+        w = torch.rand(N, device="cuda", generator=gen).to(dtype)
+        gate, up = h.double().chunk(2, -1)
+        sig = torch.sigmoid(gate)
+        act = (gate * sig * up).to(dtype).double()  # as the forward stored it
+        grad_act = w.double()[:, None] * u.double()
+        ref = (torch.cat([grad_act * up * sig * (1 + gate * (1 - sig)), grad_act * gate * sig], -1),
+               (u.double() * act).sum(-1), w.double()[:, None] * act)
+        tol = 1e-5 if dtype == torch.float32 else 2 ** -8
+        for name, got, want in zip(("grad_h", "grad_w", "w * act"), glu_weighted_backward(u, h, w), ref):
+            assert _rel(got.double(), want) < tol, (name, N, I)
+
+
+@pytest.mark.parametrize("path", ["lean", "three functions"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_block_with_the_kernels_against_the_torch_path(dtype, path, monkeypatch):
     """The Qwen3-30B-A3B block at ep=1 on CUDA, the same weights and input, kernels on and off (the torch path, what
-    model.kernels=none runs): output, input and parameter gradients. The routing is the same in both (the router
-    runs the same ops); the kernels change only roundings: fp32 rel 1e-5, bf16 2e-2 as test_gpu_paths."""
+    model.kernels=none runs): output, input and parameter gradients, two experts getting no token. With the kernels
+    the block runs moe/lean_pass.py at ep=1 (`lean`), or the dispatcher's and experts' kernels as ep > 1 does (`three
+    functions`). The routing is the same in both (the router runs the same ops); the kernels change only roundings:
+    fp32 rel 1e-5, bf16 2e-2 as test_gpu_paths."""
     from ds_ulysses_ext.kernels.glu import glu_ok
     from ds_ulysses_ext.kernels.slot_sum import slot_sum_ok
-    from ds_ulysses_ext.moe import AllToAllDispatcher, MoEBlock, MoEContext, MoESpec
+    from ds_ulysses_ext.moe import AllToAllDispatcher, MoEBlock, MoEContext, MoESpec, lean_pass
     dev = torch.device("cuda", torch.cuda.current_device())
     assert slot_sum_ok(dev, dtype) and glu_ok(dev, dtype)
     spec = MoESpec(2048, 128, 8, 768, norm_topk_prob=True)
@@ -85,11 +111,18 @@ def test_moe_block_with_the_kernels_against_the_torch_path(dtype):
         block = MoEBlock(spec).to(device="cuda", dtype=dtype)
         for p in block.parameters():
             torch.nn.init.normal_(p, std=0.02)
+        with torch.no_grad():
+            block.gate.weight[-2:] = -1.0  # on positive tokens: experts 126 and 127 get none
         block.experts.fused = fused
         block._ctx[0] = MoEContext(dispatcher=AllToAllDispatcher(128, fused=fused), balance="none")
         blocks.append(block)
     x = torch.randn(1, 4096, 2048, device="cuda", dtype=dtype, generator=torch.Generator(device="cuda").manual_seed(1))
+    x = x.abs()
     grad = torch.randn_like(x)
+    lean = [lean_pass.applies(b.context.dispatcher, b.experts, x) for b in blocks]
+    assert lean == [False, True], lean
+    if path != "lean":
+        monkeypatch.setattr(lean_pass, "applies", lambda *a: False)
     outs, xs = [], []
     for block in blocks:
         xi = x.clone().requires_grad_()
@@ -101,6 +134,7 @@ def test_moe_block_with_the_kernels_against_the_torch_path(dtype):
     assert _rel(outs[1], outs[0]) < tol and _rel(xs[1], xs[0]) < tol
     for (name, p), q in zip(blocks[1].named_parameters(), blocks[0].parameters()):
         assert _rel(p.grad, q.grad) < tol, name
+    assert float(blocks[1].experts.gate_up_proj.grad[-2:].abs().max()) == 0  # the empty experts' gradients
 
 
 def test_first_use_checks_save_nothing_for_backward():

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from dist_harness import run_ranks
-from ds_ulysses_ext.moe import AllToAllDispatcher, MoEBlock, MoEContext, MoESpec
+from ds_ulysses_ext.moe import AllToAllDispatcher, MoEBlock, MoEContext, MoESpec, lean_pass
 
 RTOL = 1e-5
 
@@ -15,14 +15,14 @@ def _close(a, b, what):
     assert err < RTOL, (what, err)
 
 
-def _block(spec, seed=0):
+def _block(spec, seed=0, skew=3.0):
     torch.manual_seed(seed)
     block = MoEBlock(spec)
     with torch.no_grad():
         for p in block.parameters():
             p.normal_(0, 0.5)
         # skew the router so some experts receive no token at all
-        block.gate.weight[-2:] -= 3.0
+        block.gate.weight[-2:] -= skew
     return block
 
 
@@ -233,6 +233,7 @@ def test_fused_combine_and_swiglu_wiring_on_cpu(monkeypatch):
     monkeypatch.setattr(experts_module, "glu_ok", lambda *a: True)
     monkeypatch.setattr(experts_module, "FusedSwiGLU", Glu)
     monkeypatch.setattr(experts_module, "_grouped_mm_ok", lambda *a: True)  # one activation call, as on CUDA
+    monkeypatch.setattr(lean_pass, "applies", lambda *a: False)  # the three-function path (ep > 1 runs it)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # the experts ask the tensor
     out = block(x_new)
     out.square().sum().backward()
@@ -242,6 +243,87 @@ def test_fused_combine_and_swiglu_wiring_on_cpu(monkeypatch):
     _close(x_new.grad, x_ref.grad, "input grad")
     for (name, p), p_ref in zip(block.named_parameters(), ref_block.parameters()):
         _close(p.grad, p_ref.grad, name)
+
+
+def _lean_run(monkeypatch, spec, x, skew=3.0):
+    """The block through lean_pass.py (CPU: torch's formulas, per-expert matmuls), recording every tensor autograd
+    saves during its forward."""
+    block = _block(spec, skew=skew)
+    calls, saved = [], []
+    real = lean_pass.LeanExpertPass.forward
+
+    def forward(*args):
+        calls.append(1)
+        return real(*args)
+    monkeypatch.setattr(lean_pass, "applies", lambda *a: True)
+    monkeypatch.setattr(lean_pass.LeanExpertPass, "forward", staticmethod(forward))
+    xi = x.clone().requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+        out = block(xi)
+    out.square().sum().backward()
+    monkeypatch.undo()
+    assert calls == [1], "the lean pass did not run"
+    return block, xi, out, saved
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_lean_pass_matches_the_three_functions(monkeypatch, norm):
+    """lean_pass.py (dispatch, experts and combine as one function that keeps only x, the routing and h; what CUDA
+    runs at ep=1) against the three-function path on CPU in fp32, with experts that get no token: output, input
+    and every parameter gradient (the router's through the routing weights) to rel 1e-5. It recomputes act and
+    never needs y: the routing weights' gradient comes from <g @ down, act>."""
+    spec = MoESpec(16, 8, 2, 12, norm_topk_prob=norm)
+    x = torch.randn(2, 9, 16).abs()
+    ref_block = _block(spec, skew=30.0)  # positive tokens on their negative router rows: two experts get no token
+    x_ref = x.clone().requires_grad_()
+    out_ref = ref_block(x_ref)
+    out_ref.square().sum().backward()
+    block, x_new, out, _ = _lean_run(monkeypatch, spec, x, skew=30.0)
+    _close(out.detach(), out_ref.detach(), "output")
+    _close(x_new.grad, x_ref.grad, "input grad")
+    for (name, p), p_ref in zip(block.named_parameters(), ref_block.parameters()):
+        _close(p.grad, p_ref.grad, name)
+    assert any(float(c) == 0 for c in torch.bincount(ref_block.gate(x.view(-1, 16))[1].reshape(-1), minlength=8))
+
+
+def test_lean_pass_keeps_no_slot_row_but_h(monkeypatch):
+    """What the lean pass saves for backward: of the [N, *] slot tensors only h [N, 2I] (and the int64 routing
+    order); none of x_N [N, D], act [N, I], y [N, D] that the three-function path keeps (N = T * k)."""
+    spec = MoESpec(16, 8, 2, 12, norm_topk_prob=True)
+    T, N = 18, 36
+    _, _, _, saved = _lean_run(monkeypatch, spec, torch.randn(2, 9, 16))
+    slot_rows = sorted(shape for shape in saved if shape and shape[0] == N and len(shape) == 2)
+    assert slot_rows == [(N, 24)], slot_rows  # h [N, 2I] alone (order and inverse are 1-D)
+    assert (T, 16) in saved  # x itself, shared with the router's saved input
+
+
+def test_lean_pass_applies_only_where_it_is_exact_and_fast(monkeypatch):
+    """layer.py runs the lean pass only at ep=1, on the fused paths, for Qwen3's bias-free SwiGLU experts without
+    their own recompute: everything else keeps the three functions."""
+    import ds_ulysses_ext.moe.experts as experts_module
+    from ds_ulysses_ext.kernels import glu, slot_sum
+    for module, name in ((experts_module, "_grouped_mm_ok"), (glu, "glu_ok"), (slot_sum, "slot_sum_ok")):
+        monkeypatch.setattr(module, name, lambda *a: True)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    x = torch.randn(4, 16)
+
+    def case(change=lambda dispatcher, experts: None, spec=MoESpec(16, 8, 2, 12)):
+        dispatcher, experts = AllToAllDispatcher(spec.num_experts), MoEBlock(spec).experts
+        change(dispatcher, experts)
+        return lean_pass.applies(dispatcher, experts, x)
+    base = case()
+    excluded = {
+        "ep=2": case(lambda d, e: setattr(d, "ep", 2)),
+        "dispatcher on torch": case(lambda d, e: setattr(d, "fused", False)),
+        "experts on torch": case(lambda d, e: setattr(e, "fused", False)),
+        "recompute=experts": case(lambda d, e: setattr(e, "recompute", "experts")),
+        "gpt_oss": case(spec=MoESpec.gpt_oss(16, 8, 2, 12)),
+        "gpt_oss layout alone": case(spec=MoESpec(16, 8, 2, 12, weight_layout="gpt_oss")),
+    }
+    monkeypatch.undo()
+    assert base, "the lean pass should apply to the plain Qwen3 block at ep=1"
+    assert not any(excluded.values()), excluded
+    assert not lean_pass.applies(AllToAllDispatcher(8), MoEBlock(MoESpec(16, 8, 2, 12)).experts, x), "CPU"
 
 
 def test_fused_moe_kernels_follow_model_kernels():

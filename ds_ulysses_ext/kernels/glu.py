@@ -55,7 +55,30 @@ def _kernels():
         tl.store(gh_ptr + row * 2 * I + offs, d_gate.to(gh_ptr.dtype.element_ty), mask=mask)
         tl.store(gh_ptr + row * 2 * I + I + offs, (g * silu).to(gh_ptr.dtype.element_ty), mask=mask)
 
-    return glu_fwd, glu_bwd
+    @triton.jit
+    def glu_weighted_bwd(u_ptr, h_ptr, w_ptr, gh_ptr, gw_ptr, wact_ptr, I, BLOCK: tl.constexpr):
+        # one row: grad_act = w * u; the row's <u, act> summed over every column block in fp32
+        row = tl.program_id(0).to(tl.int64)
+        w = tl.load(w_ptr + row).to(tl.float32)
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, I, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < I
+            u = tl.load(u_ptr + row * I + offs, mask=mask, other=0.0).to(tl.float32)
+            gate = tl.load(h_ptr + row * 2 * I + offs, mask=mask, other=0.0).to(tl.float32)
+            up = tl.load(h_ptr + row * 2 * I + I + offs, mask=mask, other=0.0).to(tl.float32)
+            sig = tl.sigmoid(gate)
+            silu = gate * sig
+            act = (silu * up).to(h_ptr.dtype.element_ty).to(tl.float32)  # the act the forward stored
+            acc += u * act
+            grad_act = w * u
+            tl.store(gh_ptr + row * 2 * I + offs, (grad_act * up * sig * (1.0 + gate * (1.0 - sig))).to(
+                gh_ptr.dtype.element_ty), mask=mask)
+            tl.store(gh_ptr + row * 2 * I + I + offs, (grad_act * silu).to(gh_ptr.dtype.element_ty), mask=mask)
+            tl.store(wact_ptr + row * I + offs, (w * act).to(wact_ptr.dtype.element_ty), mask=mask)
+        tl.store(gw_ptr + row, tl.sum(acc, 0))
+
+    return glu_fwd, glu_bwd, glu_weighted_bwd
 
 
 def _grid(h_N2I: torch.Tensor) -> tuple[int, int]:
@@ -76,6 +99,22 @@ def glu_backward(grad_NI: torch.Tensor, h_N2I: torch.Tensor) -> torch.Tensor:
         _kernels()[1][_grid(h_N2I)](grad_NI.contiguous(), h_N2I, grad_h, h_N2I.shape[1] // 2, BLOCK=BLOCK,
                                     num_warps=4)
     return grad_h
+
+
+def glu_weighted_backward(u_NI: torch.Tensor, h_N2I: torch.Tensor, w_N: torch.Tensor):
+    """The lean expert pass's backward through the SwiGLU with the routing weight after the down projection
+    (moe/lean_pass.py): u [N, I] = grad_y @ down before the weight, h [N, 2I], w [N] ->
+    (grad_h [N, 2I] for grad_act = w * u, grad_w [N] fp32 = <u, act>, w * act [N, I]), act recomputed from h as the
+    forward rounded it."""
+    N, I2 = h_N2I.shape
+    grad_h = torch.empty_like(h_N2I)
+    grad_w = torch.empty(N, dtype=torch.float32, device=h_N2I.device)
+    wact = torch.empty(N, I2 // 2, dtype=h_N2I.dtype, device=h_N2I.device)
+    if N:
+        block = min(BLOCK, 1 << max(I2 // 2 - 1, 1).bit_length())
+        _kernels()[2][(N,)](u_NI.contiguous(), h_N2I.contiguous(), w_N.contiguous(), grad_h, grad_w, wact, I2 // 2,
+                            BLOCK=block, num_warps=4)
+    return grad_h, grad_w, wact
 
 
 class FusedSwiGLU(torch.autograd.Function):
@@ -111,6 +150,14 @@ def glu_ok(device: torch.device, dtype: torch.dtype) -> bool:
             sig = torch.sigmoid(gate)
             ref = gate * sig * up
             ref_grad = torch.cat([g.float() * up * sig * (1 + gate * (1 - sig)), g.float() * gate * sig], dim=-1)
+            w = torch.rand(29, device=device, generator=gen).to(dtype)
+            act = ref.to(dtype).float()
+            grad_act = w.float()[:, None] * g.float()
+            ref_weighted = (torch.cat([grad_act * up * sig * (1 + gate * (1 - sig)), grad_act * gate * sig], dim=-1),
+                            (g.float() * act).sum(-1), w.float()[:, None] * act)
             tol = TOLERANCE[dtype]
-            return ("forward", glu_forward(h), ref, tol), ("backward", glu_backward(g, h), ref_grad, tol)
+            got_weighted = glu_weighted_backward(g, h, w)
+            return (("forward", glu_forward(h), ref, tol), ("backward", glu_backward(g, h), ref_grad, tol),
+                    *((f"weighted backward {i}", got, want, tol)
+                      for i, (got, want) in enumerate(zip(got_weighted, ref_weighted))))
     return agrees("MoE experts: the Triton SwiGLU kernels", device, dtype, pairs)

@@ -57,13 +57,8 @@ class AllToAllDispatcher:
 
     def dispatch(self, x_TD: torch.Tensor, experts_Tk: torch.Tensor, weights_Tk: torch.Tensor):
         T, k = experts_Tk.shape
-        flat = experts_Tk.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # stable: a token's k slots keep their order inside an expert
-        inverse = _inverse(order)
+        order, inverse, counts_E = sort_slots(experts_Tk, self.num_experts)
         x_sorted = _ExpandToSlots.apply(x_TD, order, inverse, k, self.fused)
-        # a scatter-add, not bincount: bincount sizes its output from the largest id, a host read on CUDA
-        counts_E = torch.zeros(self.num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
-            0, flat, torch.ones_like(flat))
         handle = Handle(T, order // k, None, [], weights_Tk=weights_Tk, slot_order_N=order, slot_inverse_N=inverse)
         if self.ep == 1:  # the counts stay on the device: the grouped experts read them there, no host sync
             handle.local_counts = counts_E
@@ -92,6 +87,18 @@ class AllToAllDispatcher:
         # one batched [1, k] x [k, D] product per token: the weighted sum of its k experts, accumulated in fp32 by
         # the GEMM and rounded once (no scatter-add: no atomics, the same order on every layout)
         return torch.bmm(w_Tk.unsqueeze(1), y_TkD).squeeze(1)
+
+
+def sort_slots(experts_Tk: torch.Tensor, num_experts: int):
+    """-> (order [N]: sorted position -> flat slot, inverse [N], counts [E] on the device). Stable, so a token's k
+    slots keep their order inside an expert; counts by a scatter-add, not bincount (which sizes its output from the
+    largest id: a host read on CUDA)."""
+    flat = experts_Tk.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    inverse = _inverse(order)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat,
+                                                                                       torch.ones_like(flat))
+    return order, inverse, counts
 
 
 class _Permute(torch.autograd.Function):

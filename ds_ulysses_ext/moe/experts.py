@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..kernels.glu import FusedSwiGLU, glu_ok
+from .lean_pass import LeanExpertPass
 
 RECOMPUTE_MODES = ("none", "act", "experts")
 LAYOUTS = ("qwen3", "gpt_oss")
@@ -98,9 +99,18 @@ class GroupedExperts(torch.nn.Module):
             return self.gate_up_proj, self.down_proj, self.gate_up_proj_bias, self.down_proj_bias
         return self.gate_up_proj, self.down_proj
 
-    def forward(self, x_ND: torch.Tensor, counts) -> torch.Tensor:
+    def forward(self, x_ND: torch.Tensor, counts, route=None) -> torch.Tensor:
         """`counts`: rows per local expert, a host list or (ep=1) a device tensor, read on the host only where a
-        path slices rows by expert (the loop, recompute groups)."""
+        path slices rows by expert (the loop, recompute groups).
+
+        `route` = (weights [T, k], order [N], inverse [N]) (layer.py, where lean_pass.applies): x is then the tokens
+        [T, D], and this runs the whole lean pass, dispatch to weighted combine, returning [T, D]. Through this
+        module's forward so that ZeRO-3 gathers these weights around it as around any expert forward."""
+        if route is not None:
+            self.ffn_calls += 1
+            weights_Tk, order_N, inverse_N = route
+            return LeanExpertPass.apply(x_ND, weights_Tk, self.gate_up_proj, self.down_proj, order_N, inverse_N,
+                                        counts, x_ND.is_cuda)
         if self.recompute == "experts":
             return _RecomputedExperts.apply(x_ND, self, host_counts(counts), *self.weights())
         return self._ffn(x_ND, counts, *self.weights())

@@ -30,7 +30,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from . import lean_pass
 from .balance import imbalance, sequence_balance_terms, update_expert_bias
+from .dispatch import sort_slots
 from .experts import GroupedExperts
 from .router import TopKRouter
 
@@ -206,9 +208,13 @@ class MoEBlock(torch.nn.Module):
                 # in its recomputation as in its forward
                 self._balance(ctx, experts_Tk, probs_TE, B, s)
         x_TD = self.fc1_latent_proj(x_TH) if self.spec.latent_size else x_TH
-        x_ND, handle = dispatcher.dispatch(x_TD, experts_Tk, weights_Tk)
-        y_ND = self.experts(x_ND, handle.local_counts)
-        out_TD = dispatcher.combine(y_ND, handle)
+        if lean_pass.applies(dispatcher, self.experts, x_TD):  # ep=1 on CUDA: one pass that keeps only h
+            order_N, inverse_N, counts_E = sort_slots(experts_Tk, self.spec.num_experts)
+            out_TD = self.experts(x_TD, counts_E, route=(weights_Tk, order_N, inverse_N))
+        else:
+            x_ND, handle = dispatcher.dispatch(x_TD, experts_Tk, weights_Tk)
+            y_ND = self.experts(x_ND, handle.local_counts)
+            out_TD = dispatcher.combine(y_ND, handle)
         out_TH = self.fc2_latent_proj(out_TD) if self.spec.latent_size else out_TD
         if self.spec.shared_intermediate_size:
             out_TH = out_TH + self.shared_experts(x_TH)
