@@ -91,13 +91,14 @@ def test_weighted_swiglu_backward_against_the_fp32_formula(dtype):
             assert _rel(got.double(), want) < tol, (name, N, I)
 
 
-@pytest.mark.parametrize("path", ["lean", "three functions"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,path", [(torch.float32, "three functions"), (torch.bfloat16, "three functions"),
+                                        (torch.bfloat16, "lean"), (torch.bfloat16, "lean, h recomputed")])
 def test_moe_block_with_the_kernels_against_the_torch_path(dtype, path, monkeypatch):
     """The Qwen3-30B-A3B block at ep=1 on CUDA, the same weights and input, kernels on and off (the torch path, what
     model.kernels=none runs): output, input and parameter gradients, two experts getting no token. With the kernels
     the block runs moe/lean_pass.py at ep=1 (`lean`), or the dispatcher's and experts' kernels as ep > 1 does (`three
-    functions`). The routing is the same in both (the router runs the same ops); the kernels change only roundings:
+    functions`); the lean pass needs the grouped GEMMs, which are bf16 only (fp32 runs the experts' loop). The routing
+    is the same in both (the router runs the same ops); the kernels change only roundings:
     fp32 rel 1e-5, bf16 2e-2 as test_gpu_paths."""
     from ds_ulysses_ext.kernels.glu import glu_ok
     from ds_ulysses_ext.kernels.slot_sum import slot_sum_ok
@@ -114,14 +115,15 @@ def test_moe_block_with_the_kernels_against_the_torch_path(dtype, path, monkeypa
         with torch.no_grad():
             block.gate.weight[-2:] = -1.0  # on positive tokens: experts 126 and 127 get none
         block.experts.fused = fused
+        block.experts.recompute = "experts" if fused and path == "lean, h recomputed" else "none"
         block._ctx[0] = MoEContext(dispatcher=AllToAllDispatcher(128, fused=fused), balance="none")
         blocks.append(block)
     x = torch.randn(1, 4096, 2048, device="cuda", dtype=dtype, generator=torch.Generator(device="cuda").manual_seed(1))
     x = x.abs()
     grad = torch.randn_like(x)
     lean = [lean_pass.applies(b.context.dispatcher, b.experts, x) for b in blocks]
-    assert lean == [False, True], lean
-    if path != "lean":
+    assert lean == [False, dtype == torch.bfloat16], lean
+    if not path.startswith("lean"):
         monkeypatch.setattr(lean_pass, "applies", lambda *a: False)
     outs, xs = [], []
     for block in blocks:

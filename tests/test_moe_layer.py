@@ -245,10 +245,11 @@ def test_fused_combine_and_swiglu_wiring_on_cpu(monkeypatch):
         _close(p.grad, p_ref.grad, name)
 
 
-def _lean_run(monkeypatch, spec, x, skew=3.0):
+def _lean_run(monkeypatch, spec, x, skew=3.0, recompute="none"):
     """The block through lean_pass.py (CPU: torch's formulas, per-expert matmuls), recording every tensor autograd
     saves during its forward."""
     block = _block(spec, skew=skew)
+    block.experts.recompute = recompute
     calls, saved = [], []
     real = lean_pass.LeanExpertPass.forward
 
@@ -266,19 +267,20 @@ def _lean_run(monkeypatch, spec, x, skew=3.0):
     return block, xi, out, saved
 
 
-@pytest.mark.parametrize("norm", [True, False])
-def test_lean_pass_matches_the_three_functions(monkeypatch, norm):
+@pytest.mark.parametrize("norm,recompute", [(True, "none"), (False, "none"), (True, "experts")])
+def test_lean_pass_matches_the_three_functions(monkeypatch, norm, recompute):
     """lean_pass.py (dispatch, experts and combine as one function that keeps only x, the routing and h; what CUDA
     runs at ep=1) against the three-function path on CPU in fp32, with experts that get no token: output, input
     and every parameter gradient (the router's through the routing weights) to rel 1e-5. It recomputes act and
-    never needs y: the routing weights' gradient comes from <g @ down, act>."""
+    never needs y: the routing weights' gradient comes from <g @ down, act>; with moe.recompute=experts it computes h
+    again in backward."""
     spec = MoESpec(16, 8, 2, 12, norm_topk_prob=norm)
     x = torch.randn(2, 9, 16).abs()
     ref_block = _block(spec, skew=30.0)  # positive tokens on their negative router rows: two experts get no token
     x_ref = x.clone().requires_grad_()
     out_ref = ref_block(x_ref)
     out_ref.square().sum().backward()
-    block, x_new, out, _ = _lean_run(monkeypatch, spec, x, skew=30.0)
+    block, x_new, out, _ = _lean_run(monkeypatch, spec, x, skew=30.0, recompute=recompute)
     _close(out.detach(), out_ref.detach(), "output")
     _close(x_new.grad, x_ref.grad, "input grad")
     for (name, p), p_ref in zip(block.named_parameters(), ref_block.parameters()):
@@ -286,20 +288,22 @@ def test_lean_pass_matches_the_three_functions(monkeypatch, norm):
     assert any(float(c) == 0 for c in torch.bincount(ref_block.gate(x.view(-1, 16))[1].reshape(-1), minlength=8))
 
 
-def test_lean_pass_keeps_no_slot_row_but_h(monkeypatch):
+@pytest.mark.parametrize("recompute,kept", [("none", [(36, 24)]), ("experts", [])])
+def test_lean_pass_keeps_no_slot_row_but_h(monkeypatch, recompute, kept):
     """What the lean pass saves for backward: of the [N, *] slot tensors only h [N, 2I] (and the int64 routing
-    order); none of x_N [N, D], act [N, I], y [N, D] that the three-function path keeps (N = T * k)."""
+    order), none with moe.recompute=experts; never x_N [N, D], act [N, I], y [N, D], which the three-function path
+    keeps (N = T * k = 36 here)."""
     spec = MoESpec(16, 8, 2, 12, norm_topk_prob=True)
     T, N = 18, 36
-    _, _, _, saved = _lean_run(monkeypatch, spec, torch.randn(2, 9, 16))
+    _, _, _, saved = _lean_run(monkeypatch, spec, torch.randn(2, 9, 16), recompute=recompute)
     slot_rows = sorted(shape for shape in saved if shape and shape[0] == N and len(shape) == 2)
-    assert slot_rows == [(N, 24)], slot_rows  # h [N, 2I] alone (order and inverse are 1-D)
+    assert slot_rows == kept, slot_rows  # order and inverse are 1-D
     assert (T, 16) in saved  # x itself, shared with the router's saved input
 
 
 def test_lean_pass_applies_only_where_it_is_exact_and_fast(monkeypatch):
     """layer.py runs the lean pass only at ep=1, on the fused paths, for Qwen3's bias-free SwiGLU experts without
-    their own recompute: everything else keeps the three functions."""
+    their inputs in host memory: everything else keeps the three functions."""
     import ds_ulysses_ext.moe.experts as experts_module
     from ds_ulysses_ext.kernels import glu, slot_sum
     for module, name in ((experts_module, "_grouped_mm_ok"), (glu, "glu_ok"), (slot_sum, "slot_sum_ok")):
@@ -311,17 +315,18 @@ def test_lean_pass_applies_only_where_it_is_exact_and_fast(monkeypatch):
         dispatcher, experts = AllToAllDispatcher(spec.num_experts), MoEBlock(spec).experts
         change(dispatcher, experts)
         return lean_pass.applies(dispatcher, experts, x)
-    base = case()
+    base = [case(), case(lambda d, e: setattr(e, "recompute", "act")),
+            case(lambda d, e: setattr(e, "recompute", "experts"))]
     excluded = {
         "ep=2": case(lambda d, e: setattr(d, "ep", 2)),
         "dispatcher on torch": case(lambda d, e: setattr(d, "fused", False)),
         "experts on torch": case(lambda d, e: setattr(e, "fused", False)),
-        "recompute=experts": case(lambda d, e: setattr(e, "recompute", "experts")),
+        "experts' inputs offloaded": case(lambda d, e: setattr(e, "offload_inputs", True)),
         "gpt_oss": case(spec=MoESpec.gpt_oss(16, 8, 2, 12)),
         "gpt_oss layout alone": case(spec=MoESpec(16, 8, 2, 12, weight_layout="gpt_oss")),
     }
     monkeypatch.undo()
-    assert base, "the lean pass should apply to the plain Qwen3 block at ep=1"
+    assert all(base), ("the lean pass should apply to the plain Qwen3 block at ep=1, any moe.recompute", base)
     assert not any(excluded.values()), excluded
     assert not lean_pass.applies(AllToAllDispatcher(8), MoEBlock(MoESpec(16, 8, 2, 12)).experts, x), "CPU"
 

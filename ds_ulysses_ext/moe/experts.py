@@ -110,7 +110,7 @@ class GroupedExperts(torch.nn.Module):
             self.ffn_calls += 1
             weights_Tk, order_N, inverse_N = route
             return LeanExpertPass.apply(x_ND, weights_Tk, self.gate_up_proj, self.down_proj, order_N, inverse_N,
-                                        counts, x_ND.is_cuda)
+                                        counts, x_ND.is_cuda, self.recompute == "experts")
         if self.recompute == "experts":
             return _RecomputedExperts.apply(x_ND, self, host_counts(counts), *self.weights())
         return self._ffn(x_ND, counts, *self.weights())

@@ -1,6 +1,8 @@
 """The lean expert pass: dispatch, the experts and the weighted combine at ep=1 as one autograd function that keeps
 only the tokens x, the routing and the experts' first projection h for backward.
 
+With moe.recompute=experts h is not kept either: backward computes it again from x_N (one grouped GEMM).
+
 Legend: T tokens, k top-k, N = T * k expert slots (sorted by expert), D expert width, I expert intermediate size,
 El local experts (= E at ep=1).
 
@@ -38,13 +40,16 @@ from .dispatch import AllToAllDispatcher
 
 def applies(dispatcher, experts, x_TD: torch.Tensor) -> bool:
     """Whether layer.py runs this pass: the all-to-all dispatcher at ep=1 and the experts both on their fused paths,
-    Qwen3's bias-free SwiGLU experts without their own recompute (`act` recomputes what this pass recomputes anyway),
-    on a device where the grouped GEMMs and the kernels run (each kernel checked at its first use)."""
+    Qwen3's bias-free SwiGLU experts, on a device where the grouped GEMMs and the kernels run (each kernel checked at
+    its first use). moe.recompute: `act` recomputes what this pass recomputes anyway; `experts` keeps no h either and
+    computes it again in backward (one grouped GEMM: the second projection's output is never needed), unless its
+    inputs were asked to wait in host memory (offload_inputs: the three functions do that)."""
     from .experts import _grouped_mm_ok  # experts.py imports this module
     from ..kernels.glu import glu_ok
     from ..kernels.slot_sum import slot_sum_ok
     return (type(dispatcher) is AllToAllDispatcher and dispatcher.ep == 1 and dispatcher.fused and experts.fused
-            and experts.recompute in ("none", "act") and experts.layout == "qwen3" and not experts.bias
+            and experts.recompute in ("none", "act", "experts") and not experts.offload_inputs
+            and experts.layout == "qwen3" and not experts.bias
             and experts.activation == "swiglu" and x_TD.is_cuda
             and _grouped_mm_ok(x_TD, experts.gate_up_proj, experts.down_proj)
             and glu_ok(x_TD.device, x_TD.dtype) and slot_sum_ok(x_TD.device, x_TD.dtype))
@@ -54,14 +59,14 @@ class LeanExpertPass(torch.autograd.Function):
     """out [T, D] = the weighted combine of the experts' outputs on x's top-k slots; see the module docstring."""
 
     @staticmethod
-    def forward(ctx, x_TD, w_Tk, gate_up, down, order_N, inverse_N, counts_E, kernels: bool):
+    def forward(ctx, x_TD, w_Tk, gate_up, down, order_N, inverse_N, counts_E, kernels: bool, recompute_h: bool):
         T, k = w_Tk.shape
         ops = _Ops(kernels, counts_E)
         token_N = order_N // k
         h = ops.gmm(x_TD[token_N], gate_up.transpose(-2, -1))
         w = w_Tk.to(x_TD.dtype)  # the weights in the activations' dtype, as the combine of dispatch.py takes them
         out = ops.slot_sum(ops.gmm(ops.glu(h), down.transpose(-2, -1)), inverse_N.view(T, k), w)
-        ctx.save_for_backward(x_TD, w, gate_up, down, order_N, inverse_N, counts_E, h)
+        ctx.save_for_backward(x_TD, w, gate_up, down, order_N, inverse_N, counts_E, None if recompute_h else h)
         ctx.kernels, ctx.w_dtype = kernels, w_Tk.dtype
         return out
 
@@ -71,6 +76,8 @@ class LeanExpertPass(torch.autograd.Function):
         T, k = w.shape
         ops = _Ops(ctx.kernels, counts_E)
         token_N = order_N // k
+        if h is None:  # moe.recompute=experts: the first projection again (the second is never needed)
+            h = ops.gmm(x_TD[token_N], gate_up.transpose(-2, -1))
         g_N = g_TD.contiguous()[token_N]
         u = ops.gmm(g_N, down)  # [N, D] x [El, D, I]: the down projection's input gradient before the weight
         grad_h, grad_w_N, wact = ops.glu_backward(u, h, w.reshape(-1)[order_N])
@@ -80,7 +87,7 @@ class LeanExpertPass(torch.autograd.Function):
         grad_gate_up = ops.gmm_weights(grad_h, x_TD[token_N])  # [El, 2I, D]
         grad_x = ops.slot_sum(ops.gmm(grad_h, gate_up), inverse_N.view(T, k))
         grad_w = grad_w_N[inverse_N].view(T, k).to(ctx.w_dtype)
-        return grad_x, grad_w, grad_gate_up, grad_down, None, None, None, None
+        return grad_x, grad_w, grad_gate_up, grad_down, None, None, None, None, None
 
 
 class _Ops:
