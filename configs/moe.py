@@ -18,7 +18,8 @@ class MoEConfig:
     aux_loss_coef: float = 1e-3  # weight of the balance loss (summed over layers, mean over sequences)
     bias_update_rate: float = 1e-3  # moe.balance=bias: bias step per optimizer step
     # none | act (recompute the SwiGLU activation) | experts (keep only the dispatched inputs, rerun the expert FFN
-    # in backward, recompute_group_size experts at a time)
+    # in backward, recompute_group_size experts at a time; under moe/lean_pass.py, at ep=1 on CUDA: keep no h and run
+    # only the first projection again)
     recompute: str = "none"
     recompute_group_size: int = 1
     offload_inputs: bool = False  # with recompute=experts: the dispatched inputs wait for backward in pinned host memory
