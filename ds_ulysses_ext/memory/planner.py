@@ -19,7 +19,9 @@ Peak GPU memory (bytes) =
 Bytes per token per layer, bf16, from the HF modules' saved tensors: RMSNorm 6H eager (fp32 input + bf16 output)
 or 2H fused; q/k/v projections 2(q+2kv), RoPE'd q/k 2(q+kv), attention output and o_proj input 4q (q = heads x
 head_dim, kv = kv_heads x head_dim; under MLA v and the output have v's head dim, and the q / kv latents add 4 bytes
-an element, norm input and output); SwiGLU MLP 8I eager or 6I fused; an MoE block top_k x (8 I_expert + 4H) + 6E.
+an element, norm input and output); SwiGLU MLP 8I eager or 6I fused; an MoE block top_k x (8 I_expert + 4H) + 6E, or
+top_k x 4 I_expert + 6E where moe/lean_pass.py runs (h alone; nothing under moe.recompute=experts). Under
+trainer.optimizer_in_backward no gradient waits for the step.
 `except_attention` keeps the layer input 2H and the kernel's q, k, v, out 2(q+k+v+out) (+2H at cp > 1); full
 recompute keeps 2H (on the host under offload, but for the three layers' inputs an offloaded backward holds: the
 one in use and two prefetched); selective drops the norms' and SwiGLU's element-wise tensors; a tiled MLP keeps no
@@ -182,6 +184,10 @@ class RunShape:
     kernels: str = "none"  # none (HF eager) | fused (Liger or compile)
     moe_recompute: str = "none"  # moe.recompute: none | act | experts
     moe_group: int = 1  # moe.recompute_group_size
+    # moe/lean_pass.py runs (ep=1, CUDA, fused kernels, Qwen3-layout experts): an MoE layer keeps h alone
+    moe_lean: bool = False
+    # trainer.optimizer_in_backward: each gradient is consumed as backward makes it, none waits for the step
+    grads_in_backward: bool = False
     loss_chunk: int = 4096
     ranks_per_node: int = 1
 
@@ -233,6 +239,10 @@ def _attention_bytes(s: ModelShape, run: RunShape) -> float:
 
 def _mlp_bytes(s: ModelShape, run: RunShape, moe: bool, policy: Policy, transient: bool = False) -> float:
     """The MLP's saved bytes per token; tiled dense MLPs keep none (one tile is counted apart)."""
+    if moe and run.moe_lean:
+        # h [N, 2I] alone; under moe.recompute=experts nothing (h is made again in backward, where it is transient)
+        experts = 0.0 if run.moe_recompute == "experts" and not transient else s.top_k * 4 * s.expert_intermediate
+        return experts + 6 * s.experts + 8 * s.shared_intermediate
     if moe:
         experts = s.top_k * (8 * s.expert_intermediate + 4 * s.hidden)
         if run.moe_recompute == "experts":  # only the dispatched inputs wait; a group's FFN exists in backward
@@ -289,7 +299,7 @@ def _state_bytes(s: ModelShape, run: RunShape) -> float:
         # flat partition at the backward's start: at the peak only a share of them is alive. Measured (one H200,
         # docs/benchmarks.md AJ/AK): 0.66-0.97 of the gradient bytes under ZeRO-2's peak at 16k-64k (dense), 0.81
         # (MoE, 16k); the share counted here is the rest, rounded
-        grads = 2 * ZERO0_GRAD_SHARE
+        grads = 0 if run.grads_in_backward else 2 * ZERO0_GRAD_SHARE
     if master == 2 and run.zero_stage <= 2 and run.shared_master:
         master = 0  # the master partition is the weights' own slice
     if run.zero_stage == 3 and run.world > 1:
@@ -388,8 +398,8 @@ def time_features(s: ModelShape, run: RunShape, policy: Policy) -> dict:
         dense_again += s.dense_layers * 3 * s.hidden * s.intermediate
     dense += 2 * T * dense_again
     experts += 2 * T * moe_again * s.expert_params(active=True)
-    if run.moe_recompute == "experts":
-        experts += 2 * T * s.moe_layers * s.expert_params(active=True)
+    if run.moe_recompute == "experts":  # the lean pass runs the first projection again, not the second
+        experts += 2 * T * s.moe_layers * s.expert_params(active=True) * (2 / 3 if run.moe_lean else 1)
     # causal forward per layer, this GPU's heads: q.k^T over q/k's head dim, then p.v over v's
     attn_layer = 1.0 * (s.q + s.out_width) * S * S * run.micro_batch / run.cp
     attn = attn_layer * (3 * s.layers + n_whole)

@@ -125,7 +125,15 @@ def run_shape(cfg: TrainConfig, world_size: int, ranks_per_node: int, on_gpu: bo
                     attn_backend=planned_backend(cfg, on_gpu),
                     kernels="fused" if on_gpu and cfg.model.kernels != "none" else "none",
                     moe_recompute=cfg.moe.recompute, moe_group=cfg.moe.recompute_group_size,
+                    moe_lean=lean_moe(cfg, on_gpu), grads_in_backward=bool(cfg.trainer.optimizer_in_backward),
                     loss_chunk=cfg.trainer.loss_chunk_size, ranks_per_node=ranks_per_node)
+
+
+def lean_moe(cfg: TrainConfig, on_gpu: bool) -> bool:
+    """Whether the MoE layers will run moe/lean_pass.py (its `applies`, from the config): ep=1 through the all-to-all
+    dispatcher, the fused kernels on a GPU in bf16, Qwen3-layout experts (not GPT-OSS's), inputs not offloaded."""
+    return (on_gpu and cfg.model.kernels != "none" and cfg.precision == "bf16" and cfg.parallelism.ep == 1
+            and cfg.moe.dispatcher != "deepep" and not cfg.moe.offload_inputs and cfg.model.family != "gpt_oss")
 
 
 def _candidate(name: str, fields: dict, shape: ModelShape, run: RunShape, coef: dict, gpu_gib: float,
@@ -250,5 +258,6 @@ def calibration_case(row: dict) -> tuple[ModelShape, RunShape, Policy]:
                    zero_stage=row.get("zero_stage", 3 if world > 1 else 2),
                    master_weights=row["master_weights"], attn_backend=row["attn_backend"], kernels=row["kernels"],
                    moe_recompute=row["moe_recompute"], moe_group=row.get("moe_group", 1),
-                   shared_master=row.get("shared_master", True))
+                   shared_master=row.get("shared_master", True), moe_lean=row.get("moe_lean", False),
+                   grads_in_backward=row.get("grads_in_backward", False))
     return ModelShape.from_arch(model["arch"], model["family"]), run, Policy.of(fields)
