@@ -50,7 +50,8 @@
 #                rows, and torch's) against Liger-Kernel's fused linear cross-entropy (bf16 and fp32 weight-gradient
 #                accumulation), with each one's weight-gradient error against fp32 (scripts/bench_loss.py; $LOSS_ARGS:
 #                more arguments, e.g. --vocab 151936 --chunks 0,2048); $OUT/loss_head.jsonl
-#   track_loss   $TRACK_STEPS (default 50) bf16 steps of the Llama-3.2-1B shape at $TRACK_POINT (default 8192:full_recompute)
+#   track_loss   $TRACK_STEPS (default 50) bf16 steps of $TRACK_MODEL (default llama3_2_1b; $TRACK_DS the deepspeed preset,
+#                default zero3) at $TRACK_POINT (default 8192:full_recompute)
 #                with model.kernels=liger and =none, the same data and seed, $TRACK_ARGS (default trainer.lr=1e-4: at
 #                the default 1e-3 this random-init model's bf16 loss climbs, and any rounding difference grows), and a
 #                control (eager, loss chunks of 1024: rounding only): the per-step loss of the fused run and of the
@@ -167,9 +168,11 @@ for part in ${*:-attn train_short train_long}; do
                   # control: eager again, its loss head in chunks of 1024 instead of 2048: a change of bf16 rounding
                   # only, the noise floor the fused run's difference is read against
                   if [ $k = control ]; then kk="model.kernels=none trainer.loss_chunk_size=1024"; else kk="model.kernels=$k"; fi
-                  python3 scripts/bench_train.py --points $tp --steps ${TRACK_STEPS:-50} deepspeed.master_weights=bf16 \
-                    ${TRACK_ARGS-trainer.lr=1e-4} $kk | grep RESULT | cut -c1-300
-                  cp "$OUT/ours_llama3_2_1b_${tp%%:*}_${tp##*:}_cp1/metrics.jsonl" "$OUT/track_loss_$k.jsonl"; done
+                  python3 scripts/bench_train.py --model ${TRACK_MODEL:-llama3_2_1b} --points $tp --steps ${TRACK_STEPS:-50} \
+                    deepspeed.master_weights=bf16 ${TRACK_ARGS-trainer.lr=1e-4} $kk --deepspeed ${TRACK_DS:-zero3} \
+                    | grep RESULT | cut -c1-300
+                  cp "$OUT/ours_${TRACK_MODEL:-llama3_2_1b}_${tp%%:*}_${tp##*:}_cp1/metrics.jsonl" "$OUT/track_loss_$k.jsonl"
+                done
                 python3 -c "import json, sys
 ref, *runs = ([r['loss'] for r in map(json.loads, open(f)) if 'loss' in r] for f in sys.argv[1:])
 for name, a in zip(('liger', 'control'), runs):
