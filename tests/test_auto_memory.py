@@ -23,12 +23,10 @@ ROOT = Path(__file__).resolve().parent.parent
 LLAMA_1B = ["model=llama3_2_1b", "data=synthetic", "precision=bf16", "parallelism.cp=1", "device=cuda"]
 # the measured rows the model misses by more than 15% (docs/memory.md says so); any other miss fails. The 512k row
 # is a check row: one step with no warm-up, so its time carries the first step's one-time costs. The MoE shape's zero0
-# steps with our loss head and MoE kernels (+17% to +27% at 16k, +16% at 32k on SDPA, +15% with one layer recomputed;
-# check rows) are the leanest MoE steps, where the model has one optimizer and one head cost for every engine and was
-# fitted on MoE steps before the glue kernels and the lean expert pass: it over-predicts their time, never their memory
+# `none` step at 16k of 2026-12-02's third part (a check row, -18%) ran before our loss head's Triton rows and the MoE
+# glue kernels: the model is fitted on the zero0 MoE steps with them, which came after it
 KNOWN_MISSES = {("llama3_2_1b", 524288, "except_attention_offload_tiled", "time"),
-                ("qwen3_30b_a3b_4l", 16384, "none", "time"), ("qwen3_30b_a3b_4l", 32768, "none", "time"),
-                ("qwen3_30b_a3b_4l", 32768, "block_recompute", "time")}
+                ("qwen3_30b_a3b_4l", 16384, "none", "time")}
 
 
 def _errors():

@@ -29,7 +29,7 @@ one in use and two prefetched); selective drops the norms' and SwiGLU's element-
 about two layers'.
 
 Step time (s) = dense FLOPs / dense rate + expert FLOPs / expert rate + attention FLOPs / attention rate (per
-backend) + elementwise passes x local tokens x layers x hidden x a per-kernel-mode cost + optimizer cost x
+backend) + elementwise passes x local tokens x layers x hidden x a per-kernel-mode cost + optimizer cost (DeepSpeed's ZeRO phase by master dtype, or zero0's own step) x
 parameters per GPU. FLOPs are 6 x active parameters x tokens plus causal attention
 (engine/observe/flops.py), plus what the policy recomputes: one more forward of every recomputed layer (attention
 included only where it re-runs), one more MLP forward under tiling, one more expert forward under
@@ -374,7 +374,7 @@ def step_time_terms(s: ModelShape, run: RunShape, policy: Policy, coef: Mapping[
 
 
 TIME_TERMS = ("dense", "experts", "attn_sdpa", "attn_fa4", "elem_eager", "elem_fused", "optimizer_fp32",
-              "optimizer_bf16")
+              "optimizer_bf16", "optimizer_zero0")
 
 
 def time_features(s: ModelShape, run: RunShape, policy: Policy) -> dict:
@@ -409,12 +409,16 @@ def time_features(s: ModelShape, run: RunShape, policy: Policy) -> dict:
     fused = run.kernels == "fused"
     per_gpu_params = s.params() / (run.world if run.zero_stage == 3 else 1)
     fa4 = run.attn_backend == "fa4"
+    zero0 = run.zero_stage == 0
     return {
         "dense": dense / 1e12, "experts": experts / 1e12,
         "attn_sdpa": 0.0 if fa4 else attn / 1e12, "attn_fa4": attn / 1e12 if fa4 else 0.0,
         "elem_eager": 0.0 if fused else elem / 1e9, "elem_fused": elem / 1e9 if fused else 0.0,
-        "optimizer_fp32": per_gpu_params / 1e9 if run.master_weights != "bf16" else 0.0,
-        "optimizer_bf16": per_gpu_params / 1e9 if run.master_weights == "bf16" else 0.0,
+        # DeepSpeed's ZeRO optimizer phase, by master dtype; deepspeed=zero0's own step (engine/ds/clipping_adamw.py:
+        # one Triton pass on the parameters, no flat buffers) has its own rate
+        "optimizer_fp32": per_gpu_params / 1e9 if run.master_weights != "bf16" and not zero0 else 0.0,
+        "optimizer_bf16": per_gpu_params / 1e9 if run.master_weights == "bf16" and not zero0 else 0.0,
+        "optimizer_zero0": per_gpu_params / 1e9 if zero0 else 0.0,
     }
 
 
