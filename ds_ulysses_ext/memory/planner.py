@@ -29,11 +29,11 @@ one in use and two prefetched); selective drops the norms' and SwiGLU's element-
 about two layers'.
 
 Step time (s) = dense FLOPs / dense rate + expert FLOPs / expert rate + attention FLOPs / attention rate (per
-backend) + elementwise passes x local tokens x layers x hidden x a per-kernel-mode cost + optimizer cost (DeepSpeed's ZeRO phase by master dtype, or zero0's own step) x
-parameters per GPU. FLOPs are 6 x active parameters x tokens plus causal attention
-(engine/observe/flops.py), plus what the policy recomputes: one more forward of every recomputed layer (attention
-included only where it re-runs), one more MLP forward under tiling, one more expert forward under
-moe.recompute=experts. Offload copies are taken as hidden behind compute (measured for attention_offload with and
+backend) + elementwise passes x local tokens x layers x hidden x a per-kernel-mode cost + optimizer cost
+(DeepSpeed's ZeRO phase by master dtype, or zero0's own step) x parameters per GPU. FLOPs are 6 x active
+parameters x tokens plus causal attention (engine/observe/flops.py), plus what the policy recomputes: one more
+forward of every recomputed layer (attention included only where it re-runs), one more MLP forward under tiling, one
+more expert forward under moe.recompute=experts (its first projection only under the lean expert pass). Offload copies are taken as hidden behind compute (measured for attention_offload with and
 without layer-input offload at 128k and 256k on one H200). cp > 1 divides tokens and attention per GPU and adds no
 communication term: the calibration rows are one GPU's.
 
