@@ -33,8 +33,9 @@ backend) + elementwise passes x local tokens x layers x hidden x a per-kernel-mo
 (DeepSpeed's ZeRO phase by master dtype, or zero0's own step) x parameters per GPU. FLOPs are 6 x active
 parameters x tokens plus causal attention (engine/observe/flops.py), plus what the policy recomputes: one more
 forward of every recomputed layer (attention included only where it re-runs), one more MLP forward under tiling, one
-more expert forward under moe.recompute=experts (its first projection only under the lean expert pass). Offload copies are taken as hidden behind compute (measured for attention_offload with and
-without layer-input offload at 128k and 256k on one H200). cp > 1 divides tokens and attention per GPU and adds no
+more expert forward under moe.recompute=experts (its first projection only under the lean expert pass). Offload
+copies are taken as hidden behind compute (measured for attention_offload with and without layer-input offload at
+128k and 256k on one H200). cp > 1 divides tokens and attention per GPU and adds no
 communication term: the calibration rows are one GPU's.
 
 Pure Python: no torch import, so scripts/plan.py plans an 8-GPU run on a laptop.
