@@ -56,6 +56,10 @@
 #                the default 1e-3 this random-init model's bf16 loss climbs, and any rounding difference grows), and a
 #                control (eager, loss chunks of 1024: rounding only): the per-step loss of the fused run and of the
 #                control against the eager one (max, mean, last absolute difference); $OUT/track_loss_<run>.jsonl
+#   moe_equal    the 4-layer Qwen3-30B-A3B shape at HF + Liger's memory (docs/benchmarks.md AW): ours with deepspeed=zero0,
+#                bf16 master weights, the optimizer step in backward and $MOE_EQ_BACKEND (default fa4: after the FA4 recipe's
+#                site_fa4 site_cu13), 16k `none` and 32k `none` with moe.recompute=experts, then HF + Liger at both
+#                lengths in the same call (about 5.5 min on a machine kept warm; give a fresh one the whole 10 minutes)
 #   moe_short    the 4-layer Qwen3-30B-A3B shape at $MOE_POINTS (default 16384:none): ours with each of $KERNELS ($DS), then
 #                HF + Liger (moe_model_bench.py --liger) at $MOE_HF_SEQS: that anchor alone takes over 4 min on a fresh
 #                machine (HF's host init of 3.1B parameters, then Liger's fused-MoE kernel compiled and autotuned):
@@ -180,6 +184,14 @@ for name, a in zip(('liger', 'control'), runs):
     print(f'track_loss {name} vs none: {len(d)} steps, max |dloss| {max(d):.3e} (step {d.index(max(d)) + 1}), '
           f'mean {sum(d) / len(d):.3e}, last {d[-1]:.3e}; losses first {ref[0]:.5f} last {a[-1]:.5f} / {ref[-1]:.5f}')" \
                   "$OUT/track_loss_none.jsonl" "$OUT/track_loss_liger.jsonl" "$OUT/track_loss_control.jsonl" ;;
+    moe_equal) C="deepspeed.master_weights=bf16 moe.dispatcher=alltoall model.kernels=liger trainer.grad_clip=0"
+               C="$C trainer.optimizer_in_backward=true model.attn_backend=${MOE_EQ_BACKEND:-fa4}"
+               python3 scripts/bench_train.py --model qwen3_30b_a3b_4l --points 16384:none --steps 4 $C --deepspeed zero0 \
+                 | grep RESULT | cut -c1-1200
+               python3 scripts/bench_train.py --model qwen3_30b_a3b_4l --points 32768:none --steps 4 $C moe.recompute=experts \
+                 --deepspeed zero0 | grep RESULT | cut -c1-1200
+               python3 -u .bench/anchor-bench/moe_model_bench.py --seqs 16384,32768 --layers 4 --liger 2>&1 \
+                 | grep RESULT | tee "$OUT/moe_equal_hf_liger.jsonl" ;;
     moe_short) for k in ${KERNELS:-liger none}; do
                  python3 scripts/bench_train.py --model qwen3_30b_a3b_4l --points ${MOE_POINTS:-16384:none} --steps 4 \
                    --deepspeed ${DS:-zero3} deepspeed.master_weights=bf16 moe.dispatcher=alltoall model.kernels=$k ${MOE_EXTRA:-}; done
