@@ -8,8 +8,8 @@
 #   train_short  Llama-3.2-1B shape, 16k/32k/64k: ours (full recompute, ZeRO-3) and stock HF (anchor 'hf');
 #                $EXTRA as for train_long (e.g. deepspeed.master_weights=bf16: the anchor's bf16 optimizer states);
 #                $SHORT_POINTS replaces the S:memory list
-#   profile_16k  one 16k step of ours under torch.profiler (logging.profile_step, engine/observe/profile.py; $EXTRA as
-#                above): the op table by GPU time is kept as $OUT/0_profile_16k.txt, and the per-phase breakdown
+#   profile_16k  one step of ours at $PROF_POINT (default 16384:full_recompute; $PROF_DS the deepspeed preset, default
+#                zero3) under torch.profiler (logging.profile_step, engine/observe/profile.py; $EXTRA as above): the op table by GPU time is kept as $OUT/0_profile_16k.txt, and the per-phase breakdown
 #                of the trace (scripts/trace_phases.py: host ops, GPU busy and idle time) printed and kept as
 #                $OUT/0_phases_16k.txt
 #   memory_16k   step $MEM_STEP (default 2) of 3 at 16k of ours (full_recompute, bf16 master weights, model.kernels=liger; $MEM_POINT, $EXTRA) under
@@ -122,11 +122,11 @@ for part in ${*:-attn train_short train_long}; do
     attn) python3 scripts/bench_attention.py --seqs 32768,131072 --reps 10 | tee -a "$OUT/attn.jsonl" ;;
     train_short) python3 scripts/bench_train.py --points ${SHORT_POINTS:-16384:full_recompute,32768:full_recompute,65536:full_recompute} \
                    --anchors hf --steps 4 ${EXTRA:-} ;;
-    profile_16k) OUT=$OUT/prof python3 scripts/bench_train.py --points 16384:full_recompute --steps 4 \
-                   logging.profile_step=4 ${EXTRA:-}
-                 cp "$OUT"/prof/ours_llama3_2_1b_16384_full_recompute_cp1/profile_step4_rank0.txt "$OUT/0_profile_16k.txt"
-                 python3 scripts/trace_phases.py "$OUT"/prof/ours_llama3_2_1b_16384_full_recompute_cp1/profile_step4_rank0.json \
-                   --top 12 | tee "$OUT/0_phases_16k.txt" ;;
+    profile_16k) OUT=$OUT/prof python3 scripts/bench_train.py --points ${PROF_POINT:-16384:full_recompute} --steps 4 \
+                   logging.profile_step=4 ${EXTRA:-} --deepspeed ${PROF_DS:-zero3}
+                 prof=$(ls -d "$OUT"/prof/ours_*_cp1 | head -1)
+                 cp "$prof/profile_step4_rank0.txt" "$OUT/0_profile_16k.txt"
+                 python3 scripts/trace_phases.py "$prof/profile_step4_rank0.json" --top 12 | tee "$OUT/0_phases_16k.txt" ;;
     memory_16k) OUT=$OUT/mem python3 scripts/bench_train.py --points ${MEM_POINT:-16384:full_recompute} --steps 3 \
                   deepspeed.master_weights=bf16 model.kernels=liger logging.memory_snapshot_step=${MEM_STEP:-2} ${EXTRA:-} | cut -c1-400
                 cp "$OUT"/mem/ours_*/memory_step${MEM_STEP:-2}_rank0.txt "$OUT/0_memory_16k.txt" && cat "$OUT/0_memory_16k.txt" ;;
