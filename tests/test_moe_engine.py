@@ -148,3 +148,29 @@ def test_moe_resume_on_other_ranks_is_exact_for_every_balance_mode(tmp_path, bal
     got = run("resharded", 2, ["parallelism.cp=2"])
     keys = ("loss", "grad_norm", "moe_imbalance") + (("moe_aux_loss",) if balance == "aux" else ())
     assert_same([r for r in got if r["step"] == 3], [r for r in ref if r["step"] == 3], f"reshard {balance}", keys)
+
+
+def test_lean_expert_pass_under_zero3_and_recompute_leaves_the_trajectory_unchanged(tmp_path, monkeypatch):
+    """moe/lean_pass.py (what CUDA runs at ep=1) through scripts/train.py: ZeRO-3 must gather the expert weights
+    around it (it reads them through the experts' forward), a checkpointed layer must recompute it saving the same
+    tensors, and moe.recompute=experts must drop h. On CPU it runs with torch's formulas in the kernels' places: its
+    CUDA-only conditions are waived, its ep=1 condition kept. Against the three-function path at the same layout."""
+    from ds_ulysses_ext.moe import AllToAllDispatcher, lean_pass
+    common = ["model=tiny_moe", "parallelism.cp=2"]
+    ref = train(tmp_path, "three_functions", 2, common)
+
+    def applies(dispatcher, experts, x):
+        return type(dispatcher) is AllToAllDispatcher and dispatcher.ep == 1 and experts.layout == "qwen3"
+    monkeypatch.setattr(lean_pass, "applies", applies)  # the ranks are forked from this process: they see it
+    real = lean_pass.LeanExpertPass.forward
+    ran = tmp_path / "lean_ran"
+
+    def forward(*args):
+        ran.touch()
+        return real(*args)
+    monkeypatch.setattr(lean_pass.LeanExpertPass, "forward", staticmethod(forward))
+    for name, world, extra in [("lean_zero3", 2, []),
+                               ("lean_full_recompute", 2, ["memory=full_recompute"]),
+                               ("lean_h_recomputed_dp2", 4, ["moe.recompute=experts"])]:
+        assert_same(train(tmp_path, name, world, common + extra), ref, name)
+    assert ran.exists(), "the lean pass never ran"
