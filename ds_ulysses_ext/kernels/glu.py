@@ -117,6 +117,18 @@ def glu_weighted_backward(u_NI: torch.Tensor, h_N2I: torch.Tensor, w_N: torch.Te
     return grad_h, grad_w, wact
 
 
+def reference_glu_weighted_backward(u_NI: torch.Tensor, h_N2I: torch.Tensor, w_N: torch.Tensor):
+    """glu_weighted_backward's values in torch, all three in fp32 (what CPU runs, in the caller's dtype, and what the
+    kernel is checked against): act as the forward rounded it, grad_act = w * u."""
+    gate, up = h_N2I.float().chunk(2, dim=-1)
+    sig = torch.sigmoid(gate)
+    act = (gate * sig * up).to(h_N2I.dtype).float()
+    u, w = u_NI.float(), w_N.float()[:, None]
+    grad_act = w * u
+    grad_h = torch.cat([grad_act * up * sig * (1 + gate * (1 - sig)), grad_act * gate * sig], dim=-1)
+    return grad_h, (u * act).sum(-1), w * act
+
+
 class FusedSwiGLU(torch.autograd.Function):
     """act = silu(gate) * up of a contiguous [N, 2I] h, keeping only h for backward."""
 
@@ -151,13 +163,8 @@ def glu_ok(device: torch.device, dtype: torch.dtype) -> bool:
             ref = gate * sig * up
             ref_grad = torch.cat([g.float() * up * sig * (1 + gate * (1 - sig)), g.float() * gate * sig], dim=-1)
             w = torch.rand(29, device=device, generator=gen).to(dtype)
-            act = ref.to(dtype).float()
-            grad_act = w.float()[:, None] * g.float()
-            ref_weighted = (torch.cat([grad_act * up * sig * (1 + gate * (1 - sig)), grad_act * gate * sig], dim=-1),
-                            (g.float() * act).sum(-1), w.float()[:, None] * act)
             tol = TOLERANCE[dtype]
-            got_weighted = glu_weighted_backward(g, h, w)
+            weighted = zip(glu_weighted_backward(g, h, w), reference_glu_weighted_backward(g, h, w))
             return (("forward", glu_forward(h), ref, tol), ("backward", glu_backward(g, h), ref_grad, tol),
-                    *((f"weighted backward {i}", got, want, tol)
-                      for i, (got, want) in enumerate(zip(got_weighted, ref_weighted))))
+                    *((f"weighted backward {i}", got, want, tol) for i, (got, want) in enumerate(weighted)))
     return agrees("MoE experts: the Triton SwiGLU kernels", device, dtype, pairs)

@@ -31,9 +31,8 @@ grouped GEMMs' places), against that reference.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from ..kernels.glu import glu_forward, glu_weighted_backward
+from ..kernels.glu import glu_forward, glu_weighted_backward, reference_glu_weighted_backward
 from ..kernels.slot_sum import reference_slot_sum, slot_sum
 from .dispatch import AllToAllDispatcher
 
@@ -96,7 +95,7 @@ class _Ops:
 
     def __init__(self, kernels: bool, counts_E: torch.Tensor):
         self.kernels, self.counts_E = kernels, counts_E
-        self._offs = None
+        self._offs = self._host_counts = None
 
     @property
     def offs(self) -> torch.Tensor:
@@ -119,28 +118,20 @@ class _Ops:
     def glu(self, h_N2I: torch.Tensor) -> torch.Tensor:
         if self.kernels:
             return glu_forward(h_N2I)
-        gate, up = h_N2I.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        from .experts import _swiglu  # experts.py imports this module
+        return _swiglu(h_N2I)
 
     def glu_backward(self, u_NI, h_N2I, w_N):
         """-> (grad_h [N, 2I], grad_w [N] fp32 = <u, act>, w * act [N, I]); grad_act = w * u."""
         if self.kernels:
             return glu_weighted_backward(u_NI, h_N2I, w_N)
-        return _glu_weighted_backward_torch(u_NI, h_N2I, w_N)
+        grad_h, grad_w, wact = reference_glu_weighted_backward(u_NI, h_N2I, w_N)
+        return grad_h.to(h_N2I.dtype), grad_w, wact.to(h_N2I.dtype)
 
     def slot_sum(self, y_ND, pos_Tk, w_Tk=None):
         return (slot_sum if self.kernels else reference_slot_sum)(y_ND, pos_Tk, w_Tk)
 
     def _split(self, rows: torch.Tensor) -> tuple:
-        return torch.split(rows, self.counts_E.tolist())
-
-
-def _glu_weighted_backward_torch(u_NI, h_N2I, w_N):
-    gate, up = h_N2I.float().chunk(2, dim=-1)
-    sig = torch.sigmoid(gate)
-    act = (gate * sig * up).to(h_N2I.dtype).float()  # the act the forward multiplied (rounded as it was)
-    u, w = u_NI.float(), w_N.float()[:, None]
-    grad_act = w * u
-    grad_h = torch.cat([grad_act * up * sig * (1 + gate * (1 - sig)), grad_act * gate * sig], dim=-1)
-    return grad_h.to(h_N2I.dtype), (u * act).sum(-1), (w * act).to(h_N2I.dtype)
-
+        if self._host_counts is None:
+            self._host_counts = self.counts_E.tolist()
+        return torch.split(rows, self._host_counts)
