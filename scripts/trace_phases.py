@@ -8,7 +8,11 @@ GPU sat idle waiting for the host. For each phase.* range (engine/observe/profil
 optimizer) this prints:
 - host side: the span, the top-level operators by total time, and how many kernels were launched;
 - device side (CUDA traces): the span of the phase's GPU range, the time kernels and copies kept the GPU
-  busy in it, the idle remainder (host-bound time), and the kernels by total time.
+  busy in it, the idle remainder (host-bound time), and the kernels by total time;
+- device work by launch: the kernels and copies whose launch (matched by its correlation id) lies in the
+  phase's host span, from any thread, rolled up by kind (GEMM, attention, copy, ...). The GPU range of
+  phase.backward holds almost nothing: autograd launches backward's kernels from its own thread, outside the
+  main thread's range, so only this view says what backward's GPU time was spent on.
 """
 import argparse
 import json
@@ -41,6 +45,18 @@ def _table(events, top):
     return [f"    {ms(d):>9} ms  x{n:<5} {name[:100]}" for name, (d, n) in rows]
 
 
+# (kind, substrings of a kernel's name), first match wins: attention before GEMM (FA4's kernels are CUTLASS ones)
+KINDS = (("attention", ("flash", "fmha", "sdpa", "attention")),
+         ("gemm", ("nvjet", "gemm", "Gemm", "xmma", "cutlass")),
+         ("copy", ("copy", "Memcpy", "Memset", "CatArray")),
+         ("fused (Triton)", ("_kernel",)),
+         ("elementwise / reduce", ("elementwise", "reduce", "Reduce", "SoftMax", "multi_tensor")))
+
+
+def kind(name: str) -> str:
+    return next((k for k, subs in KINDS if any(s in name for s in subs)), "other")
+
+
 def ms(us):
     return f"{us / 1000:.2f}"
 
@@ -52,6 +68,8 @@ def report(events, top):
     cpu_ops = [e for e in events if e.get("cat") == "cpu_op" and e.get("ph") == "X"]
     launches = [e for e in events if e.get("cat") == "cuda_runtime" and "Launch" in e.get("name", "")]
     device = [e for e in events if e.get("cat") in DEVICE_CATS and e.get("ph") == "X"]
+    launched_at = {e["args"]["correlation"]: e["ts"] for e in events
+                   if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
     for ph in phases:
         lo, hi = ph["ts"], ph["ts"] + ph["dur"]
         if ph.get("cat") == "gpu_user_annotation":
@@ -66,6 +84,15 @@ def report(events, top):
             lines.append(f"{ph['name']} host: span {ms(ph['dur'])} ms, {len(ops)} top-level ops, "
                          f"{n_launch} kernel launches")
             lines += _table(ops, top)
+            mine = [e for e in device if lo <= launched_at.get(e.get("args", {}).get("correlation"), -1.0) <= hi]
+            if mine:
+                by = defaultdict(float)
+                for e in mine:
+                    by[kind(e["name"])] += e["dur"]
+                lines.append(f"{ph['name']} GPU by launch: busy {ms(sum(by.values()))} ms in {len(mine)} "
+                             "kernels/copies: " + ", ".join(f"{k} {ms(d)}" for k, d in sorted(by.items(),
+                                                                                           key=lambda kv: -kv[1])))
+                lines += _table(mine, top)
     return "\n".join(lines)
 
 

@@ -30,3 +30,29 @@ def test_phase_breakdown():
     assert "0.02 ms  x2     aten::isfinite" in text and "amax" not in text and "add_" not in text
     assert "phase.optimizer GPU: span 0.04 ms, busy 0.02 ms, idle 0.02 ms, 3 kernels/copies" in text
     assert "late" not in text
+
+
+def test_device_work_by_launch_and_kind():
+    # backward's kernels are launched from autograd's thread (tid 2), outside the main thread's GPU range: they
+    # belong to the phase whose host span holds their launch, matched by correlation id
+    def launch(ts, corr, tid):
+        return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 1, "pid": 1,
+                "tid": tid, "args": {"correlation": corr}}
+
+    def kernel(name, ts, dur, corr):
+        return dict(_x("kernel", name, ts, dur, tid=7), args={"correlation": corr})
+
+    events = [
+        _x("user_annotation", "phase.backward", 100, 100),
+        launch(110, 1, 2), launch(120, 2, 2), launch(130, 3, 2),
+        launch(250, 4, 1),                                   # after the phase: its kernel is not backward's
+        _x("gpu_user_annotation", "phase.backward", 1000, 2, tid=7),
+        kernel("nvjet_sm90_tst_256x128", 1010, 30, 1),
+        kernel("flash_bwd_kernel", 1040, 50, 2),
+        kernel("_rms_norm_backward_kernel", 1090, 4, 3),
+        kernel("nvjet_late", 1200, 9, 4),
+    ]
+    text = report(events, top=5)
+    assert ("phase.backward GPU by launch: busy 0.08 ms in 3 kernels/copies: attention 0.05, gemm 0.03, "
+            "fused (Triton) 0.00") in text
+    assert "nvjet_late" not in text
