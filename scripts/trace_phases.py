@@ -68,8 +68,9 @@ def report(events, top):
     cpu_ops = [e for e in events if e.get("cat") == "cpu_op" and e.get("ph") == "X"]
     launches = [e for e in events if e.get("cat") == "cuda_runtime" and "Launch" in e.get("name", "")]
     device = [e for e in events if e.get("cat") in DEVICE_CATS and e.get("ph") == "X"]
+    # cuBLAS launches through the driver API (cuLaunchKernelEx, category cuda_driver), the rest through the runtime
     launched_at = {e["args"]["correlation"]: e["ts"] for e in events
-                   if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+                   if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
     for ph in phases:
         lo, hi = ph["ts"], ph["ts"] + ph["dur"]
         if ph.get("cat") == "gpu_user_annotation":

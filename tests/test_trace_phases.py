@@ -35,8 +35,8 @@ def test_phase_breakdown():
 def test_device_work_by_launch_and_kind():
     # backward's kernels are launched from autograd's thread (tid 2), outside the main thread's GPU range: they
     # belong to the phase whose host span holds their launch, matched by correlation id
-    def launch(ts, corr, tid):
-        return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 1, "pid": 1,
+    def launch(ts, corr, tid, cat="cuda_runtime"):
+        return {"ph": "X", "cat": cat, "name": "cudaLaunchKernel", "ts": ts, "dur": 1, "pid": 1,
                 "tid": tid, "args": {"correlation": corr}}
 
     def kernel(name, ts, dur, corr):
@@ -44,7 +44,7 @@ def test_device_work_by_launch_and_kind():
 
     events = [
         _x("user_annotation", "phase.backward", 100, 100),
-        launch(110, 1, 2), launch(120, 2, 2), launch(130, 3, 2),
+        launch(110, 1, 2, "cuda_driver"), launch(120, 2, 2), launch(130, 3, 2),  # cuBLAS: the driver API
         launch(250, 4, 1),                                   # after the phase: its kernel is not backward's
         _x("gpu_user_annotation", "phase.backward", 1000, 2, tid=7),
         kernel("nvjet_sm90_tst_256x128", 1010, 30, 1),

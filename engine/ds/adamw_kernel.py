@@ -32,11 +32,13 @@ BLOCK = 4096
 
 if triton is not None:
     @triton.jit
-    def _adamw(p_ptr, g_ptr, m_ptr, v_ptr, scale_ptr, n, beta1, beta2, eps, decay, step_size, bc2_sqrt,
-               HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+    def _adamw(p_ptr, g_ptr, m_ptr, v_ptr, scale_ptr, sq_ptr, n, beta1, beta2, eps, decay, step_size, bc2_sqrt,
+               HAS_SCALE: tl.constexpr, HAS_SQ: tl.constexpr, BLOCK: tl.constexpr):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_SQ:  # this block's share of the gradient's squared norm, before any scale: one slot per block
+            tl.store(sq_ptr + tl.program_id(0), tl.sum(g * g, axis=0))
         if HAS_SCALE:
             g = tl.div_rn(g, tl.load(scale_ptr))
         p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -69,9 +71,17 @@ def _host_step(step: torch.Tensor) -> int:
     return t
 
 
-def adamw_step(optimizer: torch.optim.AdamW, grad_scale: torch.Tensor | None = None) -> None:
+def norm_slots(n: int) -> int:
+    """How many kernel blocks step a tensor of n elements: the slots its squared norm takes in `sq_out`."""
+    return triton.cdiv(n, BLOCK) if triton is not None else -(-n // BLOCK)
+
+
+def adamw_step(optimizer: torch.optim.AdamW, grad_scale: torch.Tensor | None = None,
+               sq_out: list | None = None) -> None:
     """One AdamW step of `optimizer`'s parameters that have a gradient, in its own state (created as torch creates
-    it on the first step); each step count advances by one, as torch's does."""
+    it on the first step); each step count advances by one, as torch's does. `sq_out`: one fp32 tensor of
+    `norm_slots(numel)` slots per stepped parameter, in their order, where the kernel writes the gradient's squared norm
+    block by block (summed in a fixed order by the caller: the norm costs no pass of its own)."""
     for group in optimizer.param_groups:
         if group.get("amsgrad") or group.get("maximize"):
             raise ValueError("adamw_step implements AdamW without amsgrad and maximize")
@@ -90,6 +100,7 @@ def adamw_step(optimizer: torch.optim.AdamW, grad_scale: torch.Tensor | None = N
                 _remember(state["step"], 0)
             steps.append(state["step"])
         torch._foreach_add_(steps, 1.0)  # the state's counts, for checkpoints; the kernel reads the host's
+        sq = iter(sq_out) if sq_out is not None else None
         for p, step in zip(params, steps):
             state = optimizer.state[p]
             t = _host_step(step)
@@ -97,7 +108,12 @@ def adamw_step(optimizer: torch.optim.AdamW, grad_scale: torch.Tensor | None = N
                     and state["exp_avg_sq"].is_contiguous()):
                 raise RuntimeError("adamw_step needs contiguous parameters, gradients and moments")
             n = p.numel()
-            _adamw[(triton.cdiv(n, BLOCK),)](
+            slots = next(sq) if sq is not None else None
+            if slots is not None and (slots.dtype != torch.float32 or slots.numel() != norm_slots(n)):
+                raise ValueError(f"sq_out: {norm_slots(n)} fp32 slots for a tensor of {n} elements, "
+                                 f"got {tuple(slots.shape)} {slots.dtype}")
+            _adamw[(norm_slots(n),)](
                 p, p.grad, state["exp_avg"], state["exp_avg_sq"], grad_scale if grad_scale is not None else step,
+                slots if slots is not None else step,
                 n, beta1, beta2, eps, 1.0 - lr * wd, lr / (1.0 - beta1 ** t), math.sqrt(1.0 - beta2 ** t),
-                HAS_SCALE=grad_scale is not None, BLOCK=BLOCK, num_warps=8)
+                HAS_SCALE=grad_scale is not None, HAS_SQ=slots is not None, BLOCK=BLOCK, num_warps=8)

@@ -16,8 +16,10 @@ first use against torch's fused kernel on a small tensor; where Triton is missin
 it the moment autograd has accumulated its gradient, then frees that gradient, so the backward's peak holds no
 gradient buffer. The per-element AdamW math is the same kernel on the same inputs (the multi-tensor launch of the
 step after backward only groups tensors), so the updates are the same; the global norm, for the log, is summed at
-the step from each parameter's norm, taken as it went. Without a clip, with one micro-batch and no skipped steps (configs/trainer.py
-refuses the rest), nothing else reads the gradients between backward and the step.
+the step from the squares taken as each parameter went: on the Triton step the kernel itself writes them, one fp32
+sum per block of the tensor, so the norm costs no pass over the gradients. Without a clip, with one micro-batch and
+no skipped steps (configs/trainer.py refuses the rest), nothing else reads the gradients between backward and the
+step.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ import logging
 
 import torch
 
-from .adamw_kernel import adamw_step
+from .adamw_kernel import adamw_step, norm_slots
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +73,11 @@ class ClippingAdamW(torch.optim.AdamW):
         self.in_backward = False
         self._group_of: dict = {}  # in backward: id(parameter) -> the index of its param group
         self._norms: list = []  # in backward: the stepped gradients' fp32 norms (device scalars), summed at the step
+        # in backward on the Triton step: one fp32 slot per kernel block of every parameter, where the kernel writes
+        # that block's squared gradient norm as it steps (no norm pass of its own: 146 launches and ~5 ms of GPU on
+        # the 1B shape at 16k, docs/benchmarks.md BA); summed in a fixed order at the step, zeroed for the next
+        self._sq_slots: torch.Tensor | None = None
+        self._slot_of: dict = {}  # id(parameter) -> (first slot, slot count)
 
     def step_in_backward(self) -> None:
         """Step every parameter inside backward, as its gradient is complete (module docstring)."""
@@ -78,30 +85,42 @@ class ClippingAdamW(torch.optim.AdamW):
             raise ValueError("a step in backward cannot clip by the global norm nor skip a non-finite step: "
                              f"clip={self.clip}, skip_nonfinite={self.skip_nonfinite}")
         self.in_backward = True
+        first = 0
         for index, group in enumerate(self.param_groups):
             for p in group["params"]:
                 if p.requires_grad:
                     self._group_of[id(p)] = index
+                    self._slot_of[id(p)] = (first, norm_slots(p.numel()))
+                    first += norm_slots(p.numel())
                     p.register_post_accumulate_grad_hook(self._step_one)
 
     @torch.no_grad()
     def _step_one(self, param: torch.Tensor) -> None:
-        self._norms += torch._foreach_norm([param.grad], 2.0, dtype=torch.float32)
+        triton = triton_step_ok(param.device, param.grad.dtype)
+        if not triton:
+            self._norms += torch._foreach_norm([param.grad], 2.0, dtype=torch.float32)
         groups = self.param_groups
         group = groups[self._group_of[id(param)]]
         # the step of this one tensor: its group's settings, its own state (the optimizer's, keyed by the tensor)
         self.param_groups = [dict(group, params=[param])]
         try:
-            self._adamw(param.device, param.grad.dtype)
+            if triton:
+                adamw_step(self, grad_scale=self.grad_scale, sq_out=[self._slots(param)])
+            else:
+                super().step()
         finally:
             self.param_groups = groups
         param.grad = None
 
-    def _adamw(self, device: torch.device, dtype: torch.dtype) -> None:
-        if triton_step_ok(device, dtype):
-            adamw_step(self, grad_scale=self.grad_scale)
-        else:
-            super().step()
+    def _slots(self, param: torch.Tensor) -> torch.Tensor:
+        if self._sq_slots is None:
+            total = sum(n for _, n in self._slot_of.values())
+            self._sq_slots = torch.zeros(total, dtype=torch.float32, device=param.device)
+        if param.device != self._sq_slots.device:
+            raise RuntimeError(f"optimizer_in_backward: parameters on {param.device} and {self._sq_slots.device}; "
+                               "deepspeed=zero0 keeps one rank's model on one device")
+        first, n = self._slot_of[id(param)]
+        return self._sq_slots[first:first + n]
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -110,8 +129,14 @@ class ClippingAdamW(torch.optim.AdamW):
                 raise RuntimeError("optimizer_in_backward: a gradient reached the step outside backward (a closure, "
                                    "or a parameter whose gradient was set by hand); its update would be lost")
             norms, self._norms = self._norms, []
-            self._global_grad_norm = (_sum_of_squares(norms).sqrt() if norms else
-                                      torch.zeros((), device=self.param_groups[0]["params"][0].device))
+            device = self.param_groups[0]["params"][0].device
+            sq = torch.zeros((), dtype=torch.float64, device=device)
+            if norms:
+                sq = sq + torch.stack(norms).double().pow(2).sum()
+            if self._sq_slots is not None:  # the kernel's squares, summed in slot order (deterministic), then zeroed
+                sq = sq + self._sq_slots.double().sum()
+                self._sq_slots.zero_()
+            self._global_grad_norm = sq.float().sqrt()
             return None
         grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
         device = self.param_groups[0]["params"][0].device
