@@ -31,7 +31,8 @@ def run_ours(S, memory, args, out_root):
             f"trainer.max_steps={args.steps}", f"trainer.global_batch_size={args.nproc // args.cp}",
             "trainer.micro_batch_size=1", "trainer.warmup_steps=1", "trainer.save_at_end=false",
             "trainer.export_hf=false", "trainer.resume=false", "logging.progress_bar=false",
-            "logging.phase_times=true", f"parallelism.cp={args.cp}", f"memory={memory}", f"precision={args.precision}",
+            f"logging.phase_times={str(not args.no_phase_times).lower()}", f"parallelism.cp={args.cp}",
+            f"memory={memory}", f"precision={args.precision}",
             f"deepspeed={args.deepspeed}", f"device={args.device}", f"run.out_dir={out}"]
     # an explicit attention backend, so results do not depend on which optional kernels happen to import
     if not any(o.startswith("model.attn_backend=") for o in args.extra):
@@ -93,6 +94,10 @@ def main():
     ap.add_argument("--timeout", type=float, default=560)
     ap.add_argument("--order", default="ours-first", choices=["ours-first", "anchors-first"])
     ap.add_argument("--no-ours", action="store_true", help="anchors only (ours measured by another command)")
+    ap.add_argument("--no-phase-times", action="store_true",
+                    help="no time_forward/backward/optimizer columns: logging.phase_times synchronises the device at "
+                         "each phase boundary (three drains of the queue per step, which the anchors do not pay); "
+                         "off, the step runs as a user's does (the config's default)")
     ap.add_argument("extra", nargs="*", help="more Hydra overrides for our runs")
     args = ap.parse_args()
     args.cp = args.cp or args.nproc

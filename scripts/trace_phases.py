@@ -45,16 +45,16 @@ def _table(events, top):
     return [f"    {ms(d):>9} ms  x{n:<5} {name[:100]}" for name, (d, n) in rows]
 
 
-# (kind, substrings of a kernel's name), first match wins: attention before GEMM (FA4's kernels are CUTLASS ones)
+# (kind, substrings of a kernel's name), first match wins: attention before GEMM (FA4's kernels are CUTLASS ones),
+# torch's own kernels (at::native) before the rest, which are Triton's (Liger's, ours: ce_rows, _adamw, ...)
 KINDS = (("attention", ("flash", "fmha", "sdpa", "attention")),
          ("gemm", ("nvjet", "gemm", "Gemm", "xmma", "cutlass")),
          ("copy", ("copy", "Memcpy", "Memset", "CatArray")),
-         ("fused (Triton)", ("_kernel",)),
-         ("elementwise / reduce", ("elementwise", "reduce", "Reduce", "SoftMax", "multi_tensor")))
+         ("torch elementwise / reduce", ("at::native", "elementwise", "reduce", "Reduce", "SoftMax", "multi_tensor")))
 
 
 def kind(name: str) -> str:
-    return next((k for k, subs in KINDS if any(s in name for s in subs)), "other")
+    return next((k for k, subs in KINDS if any(s in name for s in subs)), "Triton and other")
 
 
 def ms(us):
