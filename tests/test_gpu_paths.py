@@ -327,6 +327,34 @@ def test_fused_per_token_kernels_match_fp32(name, weight_in_fp32):
             assert _rel(got, ref) < TOL, (op, _rel(got, ref))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("weight_in_fp32", [False, True], ids=["llama_order", "gpt_oss_order"])
+def test_rms_norm_backward_kernel_against_fp64(dtype, weight_in_fp32):
+    """kernels/rms_norm.py's backward (the Liger provider's norm) against the reference's autograd in fp64: the widths
+    of Qwen3's q/k norms (128, tiles of 64 rows), Llama-3.2-1B (2048) and GPT-OSS (2880, no power of two), with
+    row counts that leave a partial tile and give each program several tiles (its weight-gradient partial sums)."""
+    from ds_ulysses_ext.kernels import reference
+    from ds_ulysses_ext.kernels.rms_norm import RMSNorm, rms_norm_backward
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for T, H in ((70001, 128), (16387, 2048), (9001, 2880)):
+        x = torch.randn(T, H, device="cuda", generator=gen, dtype=torch.float64)
+        w = 1 + 0.2 * torch.randn(H, device="cuda", generator=gen, dtype=torch.float64)
+        dy = torch.randn(T, H, device="cuda", generator=gen, dtype=torch.float64)
+        xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+        reference.rms_norm(xl, wl, 1e-5, weight_in_fp32).backward(dy)
+        xs, ws = x.to(dtype).requires_grad_(), w.to(dtype).requires_grad_()
+        y = RMSNorm.apply(xs, ws, 1e-5, weight_in_fp32)
+        y.backward(dy.to(dtype))
+        tol = 1e-5 if dtype == torch.float32 else TOL
+        for name, got, ref in (("y", y, reference.rms_norm(x, w, 1e-5, weight_in_fp32)), ("dx", xs.grad, xl.grad),
+                               ("dw", ws.grad, wl.grad)):
+            assert got.dtype == dtype and _rel(got, ref) < tol, (T, H, name, _rel(got, ref))
+        rstd = torch.rsqrt(x.to(dtype).float().pow(2).mean(-1) + 1e-5)  # the kernel alone, non-contiguous dy
+        dx, dw = rms_norm_backward(dy.to(dtype).t().contiguous().t(), x.to(dtype), w.to(dtype), rstd,
+                                   not weight_in_fp32)
+        assert _rel(dx, xl.grad) < tol and _rel(dw, wl.grad) < tol, (T, H)
+
+
 @pytest.mark.parametrize("name", ["liger", "compile"])
 def test_fused_rope_matches_fp32(name):
     """ds_ulysses_ext.kernels: RoPE as HF's attention hands it over (q, k [B, H, s, D] views of [B, s, H, D]), bf16,
