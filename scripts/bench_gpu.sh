@@ -60,6 +60,10 @@
 #                bf16 master weights, the optimizer step in backward and $MOE_EQ_BACKEND (default fa4: after the FA4 recipe's
 #                site_fa4 site_cu13), 16k `none` and 32k `none` with moe.recompute=experts, then HF + Liger at both
 #                lengths in the same call (about 5.5 min on a machine kept warm; give a fresh one the whole 10 minutes)
+#   dense_equal  the Llama-3.2-1B shape against HF + Liger as docs/benchmarks.md BB measured it: ours with deepspeed=zero0,
+#                bf16 master weights, the optimizer step in backward and FA4 (after the FA4 recipe's site_fa4 site_cu13),
+#                without the phase syncs (bench_train.py --no-phase-times), `none` at 16k/32k/64k and
+#                except_attention_offload at 16k/32k, then HF + Liger at 16k/32k/64k; $OUT/dense_equal.jsonl. About 6 min
 #   moe_short    the 4-layer Qwen3-30B-A3B shape at $MOE_POINTS (default 16384:none): ours with each of $KERNELS ($DS), then
 #                HF + Liger (moe_model_bench.py --liger) at $MOE_HF_SEQS: that anchor alone takes over 4 min on a fresh
 #                machine (HF's host init of 3.1B parameters, then Liger's fused-MoE kernel compiled and autotuned):
@@ -192,6 +196,15 @@ for name, a in zip(('liger', 'control'), runs):
                  --deepspeed zero0 | grep RESULT | cut -c1-1200
                python3 -u .bench/anchor-bench/moe_model_bench.py --seqs 16384,32768 --layers 4 --liger 2>&1 \
                  | grep RESULT | tee "$OUT/moe_equal_hf_liger.jsonl" ;;
+    dense_equal) C="deepspeed.master_weights=bf16 model.kernels=liger trainer.grad_clip=0 trainer.optimizer_in_backward=true"
+                 C="$C model.attn_backend=fa4"
+                 python3 scripts/bench_train.py --steps 5 --no-phase-times --points 16384:none,32768:none,65536:none $C \
+                   --deepspeed zero0 | grep RESULT | cut -c1-1200 | tee -a "$OUT/dense_equal.jsonl"
+                 python3 scripts/bench_train.py --steps 5 --no-phase-times --points \
+                   16384:except_attention_offload,32768:except_attention_offload $C memory.offload_activations=true \
+                   --deepspeed zero0 | grep RESULT | cut -c1-1200 | tee -a "$OUT/dense_equal.jsonl"
+                 python3 scripts/bench_train.py --steps 4 --points 16384:none,32768:none,65536:none --anchors hf+liger \
+                   --order anchors-first --no-ours | grep RESULT | cut -c1-1200 | tee -a "$OUT/dense_equal.jsonl" ;;
     moe_short) for k in ${KERNELS:-liger none}; do
                  python3 scripts/bench_train.py --model qwen3_30b_a3b_4l --points ${MOE_POINTS:-16384:none} --steps 4 \
                    --deepspeed ${DS:-zero3} deepspeed.master_weights=bf16 moe.dispatcher=alltoall model.kernels=$k ${MOE_EXTRA:-}; done
