@@ -370,3 +370,40 @@ def test_optimizer_in_backward_resumes_the_same_trajectory(tmp_path):
     assert [r["step"] for r in both] == [1, 2, 3, 4, 5]
     for got, ref in zip(both[3:], full[3:]):
         assert got["loss"] == ref["loss"] and got["grad_norm"] == ref["grad_norm"], (got, ref)
+
+
+def test_in_backward_norm_slots_sum_to_the_norm_and_never_go_stale(monkeypatch):
+    """The Triton step's norm bookkeeping, on CPU: a stand-in for the kernel writes each block's squared sum into the
+    slots ClippingAdamW hands it (as engine/ds/adamw_kernel.py's does on CUDA). The logged norm is the gradients'
+    norm; the slots are zeroed at each step, so a parameter that gets no gradient in the next backward adds nothing
+    stale; each parameter has its own slots, of norm_slots(numel) blocks."""
+    from engine.ds import adamw_kernel, clipping_adamw
+    monkeypatch.setattr(clipping_adamw, "triton_step_ok", lambda device, dtype: True)
+    handed = {}
+
+    def kernel_stand_in(opt, grad_scale=None, sq_out=None):
+        (p,) = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        (slots,) = sq_out
+        blocks = adamw_kernel.norm_slots(p.numel())
+        assert slots.numel() == blocks and slots.dtype == torch.float32
+        padded = torch.zeros(blocks * adamw_kernel.BLOCK)
+        padded[:p.numel()] = p.grad.reshape(-1).float()
+        slots.copy_(padded.view(blocks, -1).pow(2).sum(1))
+        handed[id(p)] = slots.data_ptr()
+        p.data.add_(p.grad, alpha=-0.01)
+    monkeypatch.setattr(clipping_adamw, "adamw_step", kernel_stand_in)
+    torch.manual_seed(0)
+    big = torch.nn.Parameter(torch.randn(3 * adamw_kernel.BLOCK + 5))  # four blocks, the last one partial
+    small = torch.nn.Parameter(torch.randn(7))
+    opt = ClippingAdamW([big, small], 0.0, lr=1e-2)
+    opt.step_in_backward()
+    expected = torch.cat([big.detach(), 3 * small.detach() ** 2]).norm()  # the gradients of the loss below
+    ((big * big.detach()).sum() + (small ** 3).sum()).backward()  # both get a gradient
+    opt.step()
+    assert len(set(handed.values())) == 2  # each parameter its own slots
+    torch.testing.assert_close(opt._global_grad_norm, expected, rtol=1e-5, atol=0)
+    assert float(opt._sq_slots.abs().sum()) == 0.0
+    small_grad = 3 * small.detach() ** 2
+    (small ** 3).sum().backward()  # `big` gets no gradient this time: its slots must not count the last step's
+    opt.step()
+    torch.testing.assert_close(opt._global_grad_norm, small_grad.norm(), rtol=1e-5, atol=0)
