@@ -11,11 +11,10 @@ Legend: T rows (tokens), H the normalised width.
          (it is what that order's forward multiplies), in fp32 in GPT-OSS's; per-program partial sums, then one sum
 
 Liger's backward's formulas, fp32 inside (HF's eager Llama order rounds m to the dtype; in fp32 all agree). Why our
-own: at T >> the GPU's SM count Liger's
-backward runs one program per SM, each walking its rows one after another (latency, not bandwidth, bounds it), after
-zero-filling dx: on an H200 its 33 norms of the Llama-3.2-1B shape took 4.7 ms of GPU at 16k tokens, 143 us each
-where the bytes they move take ~55 us (docs/benchmarks.md BA). Here every program takes a tile of rows, so the
-loads of many rows are in flight at once.
+own: at T >> the GPU's SM count Liger's backward runs one program per SM, each walking its rows one after another
+(latency, not bandwidth, bounds it), after zero-filling dx: on an H200 its 33 norms of the Llama-3.2-1B shape took
+4.7 ms of GPU at 16k tokens, 143 us each where the bytes they move take ~55 us (docs/benchmarks.md BA). Here every
+program takes a tile of rows, so the loads of many rows are in flight at once.
 """
 from __future__ import annotations
 
@@ -47,18 +46,19 @@ def _kernel():
             mask = rmask[:, None] & cmask[None, :]
             offs = rows[:, None] * H + cols[None, :]
             dy = tl.load(dy_ptr + offs, mask=mask, other=0.0)
+            dy32 = dy.to(tl.float32)
             x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             rstd = tl.load(rstd_ptr + rows, mask=rmask, other=0.0)
-            m = dy.to(tl.float32) * w[None, :]
+            m = dy32 * w[None, :]
             dot = tl.sum(m * x, axis=1)
             dx = rstd[:, None] * m - (rstd * rstd * rstd * dot / H)[:, None] * x
             tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
             x_hat = x * rstd[:, None]
             if LLAMA:  # the product of two 16-bit values is exact in fp32: rounded once, as a 16-bit multiply rounds
-                prod = dy.to(tl.float32) * x_hat.to(dy.dtype).to(tl.float32)
+                prod = dy32 * x_hat.to(dy.dtype).to(tl.float32)
                 dw += tl.sum(prod.to(dy.dtype).to(tl.float32), axis=0)
             else:
-                dw += tl.sum(dy.to(tl.float32) * x_hat, axis=0)
+                dw += tl.sum(dy32 * x_hat, axis=0)
         tl.store(dw_ptr + pid.to(tl.int64) * H + cols, dw, mask=cmask)
 
     return triton, rms_bwd

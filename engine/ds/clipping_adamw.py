@@ -37,11 +37,12 @@ def squared_norm(grads: list, device: torch.device) -> torch.Tensor:
     norms (bf16 ones would round to 8 bits), their squares summed in fp64 as DeepSpeed sums its own."""
     if not grads:
         return torch.zeros((), dtype=torch.float32, device=device)
-    return _sum_of_squares(torch._foreach_norm(grads, 2.0, dtype=torch.float32))
+    return _sum_of_squares(torch._foreach_norm(grads, 2.0, dtype=torch.float32)).float()
 
 
 def _sum_of_squares(norms: list) -> torch.Tensor:
-    return torch.stack(norms).double().pow(2).sum().float()
+    """The fp64 sum of the squared norms (device scalars)."""
+    return torch.stack(norms).double().pow(2).sum()
 
 
 def clip_divisor(norm: torch.Tensor, clip: float, loss_scale: float = 1.0) -> torch.Tensor:
@@ -76,8 +77,9 @@ class ClippingAdamW(torch.optim.AdamW):
         # in backward on the Triton step: one fp32 slot per kernel block of every parameter, where the kernel writes
         # that block's squared gradient norm as it steps (no norm pass of its own: 146 launches and ~5 ms of GPU on
         # the 1B shape at 16k, docs/benchmarks.md BA); summed in a fixed order at the step, zeroed for the next
-        self._sq_slots: torch.Tensor | None = None
+        self._sq_slots: torch.Tensor | None = None  # allocated at the first step, on the parameters' device
         self._slot_of: dict = {}  # id(parameter) -> (first slot, slot count)
+        self._n_slots = 0
 
     def step_in_backward(self) -> None:
         """Step every parameter inside backward, as its gradient is complete (module docstring)."""
@@ -93,6 +95,7 @@ class ClippingAdamW(torch.optim.AdamW):
                     self._slot_of[id(p)] = (first, norm_slots(p.numel()))
                     first += norm_slots(p.numel())
                     p.register_post_accumulate_grad_hook(self._step_one)
+        self._n_slots = first
 
     @torch.no_grad()
     def _step_one(self, param: torch.Tensor) -> None:
@@ -114,8 +117,7 @@ class ClippingAdamW(torch.optim.AdamW):
 
     def _slots(self, param: torch.Tensor) -> torch.Tensor:
         if self._sq_slots is None:
-            total = sum(n for _, n in self._slot_of.values())
-            self._sq_slots = torch.zeros(total, dtype=torch.float32, device=param.device)
+            self._sq_slots = torch.zeros(self._n_slots, dtype=torch.float32, device=param.device)
         if param.device != self._sq_slots.device:
             raise RuntimeError(f"optimizer_in_backward: parameters on {param.device} and {self._sq_slots.device}; "
                                "deepspeed=zero0 keeps one rank's model on one device")
@@ -130,9 +132,7 @@ class ClippingAdamW(torch.optim.AdamW):
                                    "or a parameter whose gradient was set by hand); its update would be lost")
             norms, self._norms = self._norms, []
             device = self.param_groups[0]["params"][0].device
-            sq = torch.zeros((), dtype=torch.float64, device=device)
-            if norms:
-                sq = sq + torch.stack(norms).double().pow(2).sum()
+            sq = _sum_of_squares(norms) if norms else torch.zeros((), dtype=torch.float64, device=device)
             if self._sq_slots is not None:  # the kernel's squares, summed in slot order (deterministic), then zeroed
                 sq = sq + self._sq_slots.double().sum()
                 self._sq_slots.zero_()
