@@ -66,11 +66,11 @@ def report(events, top):
     phases = sorted((e for e in events if e.get("name", "").startswith("phase.") and e.get("ph") == "X"),
                     key=lambda e: e["ts"])
     cpu_ops = [e for e in events if e.get("cat") == "cpu_op" and e.get("ph") == "X"]
-    launches = [e for e in events if e.get("cat") == "cuda_runtime" and "Launch" in e.get("name", "")]
-    device = [e for e in events if e.get("cat") in DEVICE_CATS and e.get("ph") == "X"]
     # cuBLAS launches through the driver API (cuLaunchKernelEx, category cuda_driver), the rest through the runtime
-    launched_at = {e["args"]["correlation"]: e["ts"] for e in events
-                   if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    api = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")]
+    launches = [e for e in api if "Launch" in e.get("name", "")]
+    device = [e for e in events if e.get("cat") in DEVICE_CATS and e.get("ph") == "X"]
+    launched_at = {e["args"]["correlation"]: e["ts"] for e in api if "correlation" in e.get("args", {})}
     for ph in phases:
         lo, hi = ph["ts"], ph["ts"] + ph["dur"]
         if ph.get("cat") == "gpu_user_annotation":

@@ -56,4 +56,5 @@ def test_device_work_by_launch_and_kind():
     text = report(events, top=5)
     assert ("phase.backward GPU by launch: busy 0.09 ms in 4 kernels/copies: attention 0.05, gemm 0.03, "
             "Triton and other 0.00, torch elementwise / reduce 0.00") in text
+    assert "phase.backward host: span 0.10 ms, 0 top-level ops, 3 kernel launches" in text  # cuBLAS's counted too
     assert "nvjet_late" not in text
