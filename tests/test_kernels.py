@@ -55,7 +55,7 @@ def test_bound_ops_give_hf_bitwise(family):
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
     ref_logits, ref_grads = _logits_and_grads(_model(family), ids)
     model = _model(family)
-    report = apply_fused_kernels(model, "auto", torch.device("cpu"), provider=Provider())
+    report = apply_fused_kernels(model, "auto", torch.device("cpu"), provider=Provider(), projections=False)
     assert (report.norms, report.mlps, report.ropes) == FAMILIES[family][1:], report
     logits, grads = _logits_and_grads(model, ids)
     assert torch.equal(logits, ref_logits)
@@ -76,7 +76,7 @@ def test_mla_rope_part_without_interleave_goes_through_the_provider():
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
     ref_logits, ref_grads = _logits_and_grads(_model("deepseek_v3", rope_interleave=False), ids)
     model = _model("deepseek_v3", rope_interleave=False)
-    apply_fused_kernels(model, "auto", torch.device("cpu"), provider=Counting())
+    apply_fused_kernels(model, "auto", torch.device("cpu"), provider=Counting(), projections=False)
     logits, grads = _logits_and_grads(model, ids)
     assert Counting.calls == 2
     assert torch.equal(logits, ref_logits)

@@ -7,6 +7,8 @@ What is bound, by structure rather than by class name, so every family with thes
 - an RMSNorm: a module with `weight` [H] and `variance_epsilon` (HF's norms, Qwen3's q/k norms, the final norm);
   GPT-OSS's scales in fp32 before the cast (`FP32_WEIGHT_NORMS`), the others cast first;
 - a dense SwiGLU MLP: `gate_proj`, `up_proj`, `down_proj` and a SiLU `act_fn` (MoE experts are our own kernels);
+- the sibling projections, q/k/v and gate/up, as one autograd node each (kernels/projections.py: their input
+  gradients summed in cuBLAS's epilogue; under except_attention the replay skips the unused q/k/v GEMMs);
 - RoPE, in an attention module whose forward calls its modeling file's `apply_rotary_pos_emb` and whose function is
   Llama's to the bytecode (Llama, Mistral, Qwen2/3, Qwen3-MoE; not GPT-OSS's half-width cos/sin, GLM's partial
   rotation; DeepSeek-V3's default rope_interleave calls HF's interleaved function, which stays eager though the
@@ -26,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import UnsupportedError
+from .projections import bind_projection_groups
 from .providers import provider_for
 
 log = logging.getLogger(__name__)
@@ -39,6 +42,7 @@ class KernelReport:
     norms: int = 0
     mlps: int = 0
     ropes: int = 0
+    projection_groups: int = 0  # q/k/v and gate/up run as one node each (kernels/projections.py)
     skipped_mlps: list = field(default_factory=list)  # class names of MLPs left eager (not SiLU-gated)
     # the provider's fused loss head, (hidden [T, H], weight [V, H], labels [T]) -> fp32 sum, for CPCausalLM's
     # HeadLoss to run in place of loss.py's chunked one; None: loss.py's
@@ -50,13 +54,15 @@ class KernelReport:
         skipped = f"; left eager: {sorted(set(self.skipped_mlps))}" if self.skipped_mlps else ""
         head = ", and the loss head" if self.head is not None else ""
         return (f"per-token kernels: {self.provider} for {self.norms} RMSNorms, {self.mlps} SwiGLU MLPs and "
-                f"{self.ropes} RoPEs{head}{skipped}")
+                f"{self.ropes} RoPEs{head}; {self.projection_groups} projection groups{skipped}")
 
 
 def apply_fused_kernels(model: torch.nn.Module, mode: str, device: torch.device, provider=None,
-                        loss_head: str = "auto") -> KernelReport:
+                        loss_head: str = "auto", projections: bool = True) -> KernelReport:
     """`provider`: tests hand a stand-in to exercise the binding on CPU. `loss_head` (model.loss_head): `liger` takes
-    the provider's fused head in place of loss.py's, and is refused where the provider has none."""
+    the provider's fused head in place of loss.py's, and is refused where the provider has none. `projections`: bind
+    the projection groups too (off: the per-token ops alone, which a reference provider binds bitwise HF's; the groups'
+    summed input gradients round differently, tests/test_projections.py bounds them)."""
     provider = provider or provider_for(mode, device)
     report = KernelReport()
     if provider is None:
@@ -80,6 +86,8 @@ def apply_fused_kernels(model: torch.nn.Module, mode: str, device: torch.device,
         elif _llama_rope_caller(module):
             _bind_rope(module, provider)
             report.ropes += 1
+    if projections:
+        report.projection_groups = bind_projection_groups(model)
     log.info("%s", report)
     return report
 

@@ -28,6 +28,9 @@ right after each core-attention call and come back, one layer ahead, when backwa
 Layers listed in `full_layers` (recompute_num_layers / recompute_method) are recomputed whole, attention
 included: the memory knob for lengths where keeping every layer's attention tensors does not fit.
 
+In the recompute, the q/k/v projections whose outputs nothing but the replayed attention reads skip their GEMMs
+(kernels/projections.py, where the fused kernels bound them); their gradients need only the layer's normed input.
+
 The core attention is reached through the `core_attention_wrapper` attribute that the "ds_ulysses"
 attention function (integrate.py) honours, so the model must have gone through
 `enable_context_parallel` (any cp, including 1); otherwise the policy refuses to apply. A layer call
@@ -35,12 +38,14 @@ whose forward never reached the wrapper raises instead of silently recomputing a
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Callable, Optional
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from ..kernels.projections import outputs_unused
 from .attention_offload import AttentionOffload, AttentionStash
 from .policy import MemoryPolicy, decoder_layers
 from .recompute import _warn_if_hf_checkpointing, checkpointed, recompute_layer_indices
@@ -111,7 +116,9 @@ def _layer_forward(forward: Callable, offload: Optional[AttentionOffload] = None
             _active.record = record
             record.position = 0
             try:
-                out = forward(*a, **kw)
+                # the replay: projections whose outputs only the replayed attention read may skip their GEMMs
+                with contextlib.nullcontext() if record.recording else outputs_unused():
+                    out = forward(*a, **kw)
             finally:
                 _active.record = previous
             if record.recording:
