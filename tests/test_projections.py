@@ -142,8 +142,8 @@ def test_a_sibling_called_on_another_input_computes_its_own():
 
 def test_the_fused_kernels_bind_the_groups_and_report_them():
     from ds_ulysses_ext.kernels import apply_fused_kernels
-    from ds_ulysses_ext.kernels.providers import ReferenceProvider
+    from ds_ulysses_ext.kernels.providers import Provider
     hf = tiny_model("llama")
-    report = apply_fused_kernels(hf, "auto", torch.device("cpu"), provider=ReferenceProvider())
+    report = apply_fused_kernels(hf, "auto", torch.device("cpu"), provider=Provider())
     assert report.projection_groups == 4 and "4 projection groups" in str(report)
     assert "forward" in hf.model.layers[0].self_attn.k_proj.__dict__
