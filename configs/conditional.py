@@ -78,6 +78,8 @@ CONDITIONAL: dict[str, Rule] = {
     "moe.aux_loss_coef": Rule(lambda c: c.moe.balance == "aux", "moe.balance=aux", moe=True),
     "moe.bias_update_rate": Rule(lambda c: c.moe.balance == "bias", "moe.balance=bias", moe=True),
     "moe.recompute": Rule(_always, "", moe=True),
+    "trainer.optimizer_side_stream": Rule(lambda c: c.trainer.optimizer_in_backward,
+                                          "trainer.optimizer_in_backward=true", warn=True),
     "moe.recompute_group_size": Rule(lambda c: c.moe.recompute == "experts", "moe.recompute=experts", moe=True),
     "moe.offload_inputs": Rule(lambda c: c.moe.recompute == "experts", "moe.recompute=experts", moe=True),
     "logging.wandb.project": Rule(lambda c: c.logging.wandb.mode != "disabled", "logging.wandb.mode=offline or online",
@@ -91,7 +93,7 @@ UNCONDITIONAL = (
     # model.arch: the whole shape under source=config; under pretrained the checkpoint's config.json is the truth
     # and arch only repeats its counts for the checks before the load
     "model.name", "model.family", "model.source", "model.arch", "model.attn_backend", "model.kernels",
-    "model.loss_head",
+    "model.loss_head", "model.projection_groups",
     "data.source", "data.seq_len", "data.eval_samples", "data.eval_path", "data.padding_side", "data.pack",
     "parallelism.cp", "parallelism.ring", "parallelism.ep", "parallelism.tp",
     "deepspeed.zero_stage", "deepspeed.offload_optimizer", "deepspeed.offload_param", "deepspeed.master_weights",

@@ -43,6 +43,10 @@ class ModelConfig:
     # one Triton kernel) | liger (Liger-Kernel's fused linear cross-entropy, fp32 weight-gradient accumulation; needs
     # model.kernels=liger, or auto with Liger installed). docs/benchmarks.md (loss head) has both measured
     loss_head: str = "auto"
+    # with fused kernels (model.kernels not none, on CUDA): q/k/v and gate/up each run as one autograd node, their input
+    # gradients summed in cuBLAS's epilogue, and except_attention's replay skips the q/k/v GEMMs nothing reads
+    # (ds_ulysses_ext/kernels/projections.py); false: HF's separate linears (to bisect a numerical difference)
+    projection_groups: bool = True
 
 
 def check_model(model: ModelConfig) -> None:

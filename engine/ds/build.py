@@ -111,7 +111,8 @@ def build(cfg: TrainConfig, plan: Plan, topo: Topology, device: torch.device, lo
         if topo.ep_size > 1:
             mark_expert_parallel(expert_parameters(hf), topo)  # before deepspeed.initialize partitions them
     # before the memory policies: they wrap these forwards (a tiled MLP runs the fused product per tile)
-    kernels = apply_fused_kernels(hf, cfg.model.kernels, device, loss_head=cfg.model.loss_head)
+    kernels = apply_fused_kernels(hf, cfg.model.kernels, device, loss_head=cfg.model.loss_head,
+                                  projections=cfg.model.projection_groups)
     restore_from_export(hf, cfg.model.path, hf.__dict__.pop("_unread_keys", ()))
     policies = _apply_memory(hf, cfg)
     model = CPCausalLM(hf, loss_chunk_size=cfg.trainer.loss_chunk_size, fused_loss=cfg.trainer.fused_loss,
@@ -129,6 +130,7 @@ def build(cfg: TrainConfig, plan: Plan, topo: Topology, device: torch.device, lo
                                   skip_nonfinite=cfg.trainer.on_nonfinite == "skip", **adamw)
         if cfg.trainer.optimizer_in_backward:
             optimizer.step_in_backward()
+            optimizer.side_stream = cfg.trainer.optimizer_side_stream
             log.info("trainer.optimizer_in_backward: each parameter steps in backward as its gradient completes "
                      "and the gradient is freed (the optimizer phase's work is timed in the backward's)")
     elif "optimizer" not in ds_dict:
