@@ -78,8 +78,7 @@ CONDITIONAL: dict[str, Rule] = {
     "moe.aux_loss_coef": Rule(lambda c: c.moe.balance == "aux", "moe.balance=aux", moe=True),
     "moe.bias_update_rate": Rule(lambda c: c.moe.balance == "bias", "moe.balance=bias", moe=True),
     "moe.recompute": Rule(_always, "", moe=True),
-    "trainer.optimizer_side_stream": Rule(lambda c: c.trainer.optimizer_in_backward,
-                                          "trainer.optimizer_in_backward=true", warn=True),
+
     "moe.recompute_group_size": Rule(lambda c: c.moe.recompute == "experts", "moe.recompute=experts", moe=True),
     "moe.offload_inputs": Rule(lambda c: c.moe.recompute == "experts", "moe.recompute=experts", moe=True),
     "logging.wandb.project": Rule(lambda c: c.logging.wandb.mode != "disabled", "logging.wandb.mode=offline or online",

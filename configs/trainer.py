@@ -72,9 +72,6 @@ class TrainerConfig:
     # needs every gradient's norm first), one micro-batch per step and on_nonfinite=abort (a skipped step would
     # have to undo updates already made). engine/ds/clipping_adamw.py
     optimizer_in_backward: bool = False
-    # optimizer_in_backward on CUDA: each step runs on a side stream, overlapping backward's GEMMs (AdamW is
-    # memory-bound); false: in line on the compute stream. The same updates either way
-    optimizer_side_stream: bool = True
 
 
 def check_trainer(t: TrainerConfig) -> None:

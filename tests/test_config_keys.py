@@ -47,7 +47,6 @@ UNREAD = {
     "moe.aux_loss_coef": (["model=tiny_moe", "moe.balance=bias"], 0.01),
     "moe.bias_update_rate": (["model=tiny_moe"], 0.01),
     "moe.recompute": ([], "act"),
-    "trainer.optimizer_side_stream": ([], False),
     "moe.recompute_group_size": (["model=tiny_moe"], 4),
     "moe.offload_inputs": (["model=tiny_moe"], True),
     "logging.wandb.project": ([], "elsewhere"),

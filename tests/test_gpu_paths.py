@@ -499,8 +499,8 @@ def test_projection_group_in_bf16_against_fp32():
     dys = [torch.randn(1, 1024, o, generator=g, device="cuda") for o in (2048, 512, 512)]
 
     def grads(dtype, fused):
-        xx = x.to(dtype).requires_grad_(True)
-        ww = [w.to(dtype).requires_grad_(True) for w in ws]
+        xx = x.to(dtype).detach().requires_grad_(True)  # a fresh leaf per call (fp32's .to is the tensor itself)
+        ww = [w.to(dtype).detach().requires_grad_(True) for w in ws]
         if fused:
             outs = _SharedInputLinears.apply(xx, (False, False, False), ww[0], None, ww[1], None, ww[2], None)
         else:

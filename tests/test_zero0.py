@@ -343,7 +343,6 @@ def test_optimizer_in_backward_steps_each_tensor_once_and_frees_its_gradient(dev
         for p, q in zip(our_params, ref_params):
             assert torch.equal(p, q)
     assert alive == [1] * (3 * len(our_params)), alive  # one gradient at a time, each tensor once per backward
-    assert (our_opt._stream is not None) == (device == "cuda")  # on CUDA the steps above ran on the side stream
     assert [float(our_opt.state[p]["step"]) for p in our_params] == [3.0] * len(our_params)
 
 

@@ -130,7 +130,6 @@ def build(cfg: TrainConfig, plan: Plan, topo: Topology, device: torch.device, lo
                                   skip_nonfinite=cfg.trainer.on_nonfinite == "skip", **adamw)
         if cfg.trainer.optimizer_in_backward:
             optimizer.step_in_backward()
-            optimizer.side_stream = cfg.trainer.optimizer_side_stream
             log.info("trainer.optimizer_in_backward: each parameter steps in backward as its gradient completes "
                      "and the gradient is freed (the optimizer phase's work is timed in the backward's)")
     elif "optimizer" not in ds_dict:

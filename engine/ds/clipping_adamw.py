@@ -20,17 +20,9 @@ the step from the squares taken as each parameter went: on the Triton step the k
 sum per block of the tensor, so the norm costs no pass over the gradients. Without a clip, with one micro-batch and
 no skipped steps (configs/trainer.py refuses the rest), nothing else reads the gradients between backward and the
 step.
-
-On CUDA the step inside backward runs on a side stream: AdamW is memory-bound and backward's GEMMs compute-bound, so
-the two overlap instead of taking turns on one stream (6.7 ms of AdamW in the 1B shape's 16k step,
-docs/benchmarks.md BA). Each parameter's step waits for the compute stream at its hook (its gradient is complete
-there and backward reads the weight no more: a weight's last use in backward is the node that produced its
-gradient), the gradient is freed with record_stream so the compute stream reuses its block only after the step has
-read it, and `step()` makes the compute stream wait for every step before anything reads the weights again.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 
 import torch
@@ -88,8 +80,6 @@ class ClippingAdamW(torch.optim.AdamW):
         self._sq_slots: torch.Tensor | None = None  # allocated at the first step, on the parameters' device
         self._slot_of: dict = {}  # id(parameter) -> (first slot, slot count)
         self._n_slots = 0
-        self.side_stream = True  # in backward on CUDA: step on a side stream (module docstring); False = in line
-        self._stream = None  # that stream, made at the first CUDA step
 
     def step_in_backward(self) -> None:
         """Step every parameter inside backward, as its gradient is complete (module docstring)."""
@@ -118,31 +108,12 @@ class ClippingAdamW(torch.optim.AdamW):
         self.param_groups = [dict(group, params=[param])]
         try:
             if triton:
-                slots = self._slots(param)
-                with self._step_stream(param.device) as stream:
-                    adamw_step(self, grad_scale=self.grad_scale, sq_out=[slots])
-                if stream is not None:
-                    param.grad.record_stream(stream)
+                adamw_step(self, grad_scale=self.grad_scale, sq_out=[self._slots(param)])
             else:
                 super().step()
         finally:
             self.param_groups = groups
         param.grad = None
-
-    def _step_stream(self, device: torch.device):
-        """The context one in-backward step runs in: the side stream, after the work queued so far on the compute
-        stream (the gradient's producers, the last readers of the weight); in line off CUDA or with side_stream off."""
-        if device.type != "cuda" or not self.side_stream:
-            return contextlib.nullcontext(None)
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device)
-        self._stream.wait_stream(torch.cuda.current_stream(device))
-        return _StreamContext(self._stream)
-
-    def _join_stream(self) -> None:
-        """The compute stream waits for every step queued on the side stream (before the weights are read again)."""
-        if self._stream is not None:
-            torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
 
     def _slots(self, param: torch.Tensor) -> torch.Tensor:
         if self._sq_slots is None:
@@ -159,7 +130,6 @@ class ClippingAdamW(torch.optim.AdamW):
             if closure is not None or any(p.grad is not None for g in self.param_groups for p in g["params"]):
                 raise RuntimeError("optimizer_in_backward: a gradient reached the step outside backward (a closure, "
                                    "or a parameter whose gradient was set by hand); its update would be lost")
-            self._join_stream()
             norms, self._norms = self._norms, []
             device = self.param_groups[0]["params"][0].device
             sq = _sum_of_squares(norms) if norms else torch.zeros((), dtype=torch.float64, device=device)
@@ -185,14 +155,6 @@ class ClippingAdamW(torch.optim.AdamW):
                 adamw_step(self, grad_scale=self.grad_scale)
             return None
         return super().step(closure)
-
-
-class _StreamContext(torch.cuda.StreamContext):
-    """torch.cuda.stream(stream) that yields the stream (the caller then record_stream's the gradient on it)."""
-
-    def __enter__(self):
-        super().__enter__()
-        return self.stream
 
 
 _CHECKED: dict = {}
