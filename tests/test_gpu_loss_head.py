@@ -86,3 +86,15 @@ def test_cross_entropy_rows_kernel_against_torch(dtype):
     bad = labels.clone()
     bad[1] = V
     assert cross_entropy_rows_(logits.clone(), bad, IGNORE_INDEX, grad=False)[1].isnan()
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_scaled_cast_kernel_equals_torch_bitwise(out_dtype):
+    """kernels/scale_cast.py: the head's weight-gradient scale, fp32 product rounded once, as torch.mul's: bitwise."""
+    from ds_ulysses_ext.kernels import scale_cast
+    device = torch.device("cuda", torch.cuda.current_device())
+    assert scale_cast.kernel_ok(device, torch.float32, out_dtype)
+    x = torch.randn(128256 * 64 + 5, device=device)
+    scale = torch.tensor(1 / 12345, device=device)
+    got = scale_cast.scaled_into(x, scale, torch.empty(x.shape, dtype=out_dtype, device=device))
+    assert torch.equal(got, torch.mul(x, scale, out=torch.empty_like(got)))
