@@ -238,7 +238,7 @@ for name, a in zip(('liger', 'control'), runs):
                [ $rc -eq 0 ] || { echo "passkey: $name failed (rc=$rc, $OUT/$name.log); later stages not run"; break; }
              done ;;
     gpu_tests) { python3 -m pytest -q -rs -p no:cacheprovider tests/test_gpu_paths.py tests/test_gpu_loss_head.py \
-                   tests/test_gpu_moe_kernels.py
+                   tests/test_gpu_moe_kernels.py tests/test_gpu_projections.py
                  python3 -m pytest -q -rs -p no:cacheprovider tests/test_moe_gpt_oss.py -k grouped
                  python3 -m pytest -q -rs -p no:cacheprovider tests/test_zero0.py -k "triton or cuda or in_backward and not follows"; } 2>&1 \
                  | tee "$OUT/gpu_tests.txt" | tail -30 ;;

@@ -99,7 +99,7 @@ class ProjectionGroup:
         self.unused_in_replay = unused_in_replay or [False] * len(members)
         self._handed: dict = {}  # id(member) -> its output, for the call with the input below
         self._input: Optional[torch.Tensor] = None
-        self.fused_calls = 0  # node runs, for tests and the build log
+        self.fused_calls = 0  # node runs, for tests
 
     def bind(self) -> None:
         first, *others = self.members
