@@ -62,6 +62,8 @@ CONDITIONAL: dict[str, Rule] = {
         "memory.recompute=budget, or except_attention with memory.budget_gib"),
     "memory.selective_kept": Rule(lambda c: c.memory.recompute in ("block", "budget"), "memory.recompute=block or budget"),
     "memory.offload_max_gib": Rule(lambda c: c.memory.offload_activations, "memory.offload_activations=true"),
+    "memory.offload_inflight_gib": Rule(lambda c: c.memory.offload_activations or c.memory.attention_offload,
+                                        "memory.offload_activations=true or memory.attention_offload=true"),
     "memory.mlp_tile_tokens": Rule(lambda c: c.memory.tiled_mlp, "memory.tiled_mlp=true"),
     "memory.attention_offload": Rule(lambda c: c.memory.recompute == "except_attention",
                                      "memory.recompute=except_attention"),

@@ -36,6 +36,10 @@ class MemoryConfig:
     # recompute=except_attention: the attention tensors it keeps (q, k, v, out, logsumexp, the recorded output) go
     # to pinned host memory after each layer's attention and come back one layer ahead in backward
     attention_offload: bool = False
+    # offload_activations / attention_offload: the most GiB of device tensors whose copies to the host are queued
+    # but not done (both offloads together); past it the host waits for the oldest copy. Their blocks cannot be
+    # reused until copied, so this much can sit reserved above what is allocated. Lower costs the host its lead.
+    offload_inflight_gib: float = 2.0
     tiled_mlp: bool = False  # run the MLP over sequence tiles so its intermediate never exists whole
     mlp_tile_tokens: int = 8192  # tiled_mlp: tokens per tile
     expandable_segments: bool = True  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; less fragmentation
@@ -48,7 +52,8 @@ class MemoryConfig:
 
 # the policy fields a memory preset sets: what memory=auto fills in (and refuses to be given alongside it)
 AUTO_FILLS = tuple(f.name for f in fields(MemoryConfig)
-                   if f.name not in ("expandable_segments", "auto", "auto_gpu_gib", "auto_host_gib"))
+                   if f.name not in ("expandable_segments", "offload_inflight_gib", "auto", "auto_gpu_gib",
+                                     "auto_host_gib"))
 
 
 def _layer_count_in_range(count: int, lowest: int, arch: Mapping[str, Any]) -> tuple[bool, str]:
@@ -117,6 +122,8 @@ def check_memory(mem: MemoryConfig, arch: Mapping[str, Any]) -> None:
         not mem.tiled_mlp or mem.mlp_tile_tokens >= 1,
         f"memory.tiled_mlp=true needs memory.mlp_tile_tokens >= 1, got {mem.mlp_tile_tokens}",
     )
+    require(mem.offload_inflight_gib > 0,
+            f"memory.offload_inflight_gib={mem.offload_inflight_gib} must be > 0 (GiB of copies to the host in flight)")
     require(
         mem.offload_max_gib >= 0 and (mem.offload_max_gib == 0 or mem.offload_activations),
         f"memory.offload_max_gib={mem.offload_max_gib} must be >= 0 and only caps memory.offload_activations=true "

@@ -99,7 +99,8 @@
 #                stage. Each stage's metrics.jsonl, retrieval.json and .png go to $OUT as one tar (fewer files);
 #                a stage that fails stops the chain (the next would read a missing or an earlier call's export)
 #   gpu_tests    the suite's GPU-only tests (skipped on CPU): tests/test_gpu_paths.py (the fused ring kernel, the
-#                packed and sink SDPA paths, bf16 against exact references), tests/test_gpu_loss_head.py, GPT-OSS's grouped_mm experts and
+#                packed and sink SDPA paths, bf16 against exact references), tests/test_gpu_loss_head.py, tests/test_gpu_offload.py
+#                (the host link: settled reloads, reserved memory), GPT-OSS's grouped_mm experts and
 #                deepspeed=zero0's optimizer on CUDA (ClippingAdamW and its Triton AdamW step against torch's fused one);
 #                the log is $OUT/gpu_tests.txt. Run it before measuring those paths. After site_fa4 site_cu13
 #                (the FA4 recipe below) it also checks FA4's varlen, window and sink arguments
@@ -238,7 +239,7 @@ for name, a in zip(('liger', 'control'), runs):
                [ $rc -eq 0 ] || { echo "passkey: $name failed (rc=$rc, $OUT/$name.log); later stages not run"; break; }
              done ;;
     gpu_tests) { python3 -m pytest -q -rs -p no:cacheprovider tests/test_gpu_paths.py tests/test_gpu_loss_head.py \
-                   tests/test_gpu_moe_kernels.py tests/test_gpu_projections.py
+                   tests/test_gpu_moe_kernels.py tests/test_gpu_projections.py tests/test_gpu_offload.py
                  python3 -m pytest -q -rs -p no:cacheprovider tests/test_moe_gpt_oss.py -k grouped
                  python3 -m pytest -q -rs -p no:cacheprovider tests/test_zero0.py -k "triton or cuda or in_backward and not follows"; } 2>&1 \
                  | tee "$OUT/gpu_tests.txt" | tail -30 ;;

@@ -31,7 +31,8 @@ def patch_deepspeed_shm_build() -> None:
 
 def _entry(rank, fn, world_size, store, args):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
+                      LOCAL_WORLD_SIZE=str(world_size), LOCAL_SIZE=str(world_size), OMP_NUM_THREADS="1",
+                      DS_ACCELERATOR="cpu",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT="29999")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size,
@@ -69,6 +70,10 @@ def _preimport() -> None:
 
 def run_ranks(fn, world_size: int, *args) -> None:
     start = os.environ.get("DS_ULYSSES_TEST_START", "fork")
+    if start == "fork" and torch.cuda.is_initialized():
+        # a GPU machine where this process already ran CUDA tests: a forked rank that touches CUDA (DeepSpeed's
+        # accelerator probe does) dies with "Cannot re-initialize CUDA in forked subprocess"
+        start = "spawn"
     if start == "fork":
         _preimport()
     for attempt in (1, 2):

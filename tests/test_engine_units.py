@@ -336,3 +336,25 @@ def test_out_of_memory_names_the_layout_and_the_leaner_policies(tmp_path):
         < message.index("memory=long_context") < message.index("raise parallelism.cp (now 2") \
         < message.index("memory=auto picks")
     assert "Tried to allocate 20.00 GiB" in message  # CUDA's own message stays in the chain
+
+
+def _device_count_after_init(rank, world, report):
+    import subprocess
+    from deepspeed.accelerator import get_accelerator
+    from engine.ds.distributed import init_distributed, read_runtime
+    os.environ.pop("LOCAL_SIZE", None)  # as under torchrun, which sets LOCAL_WORLD_SIZE only
+    init_distributed(read_runtime("cpu"))
+
+    def no_subprocess(*args, **kwargs):
+        raise AssertionError(f"DeepSpeed ran a subprocess: {args}")
+    subprocess.check_output = no_subprocess  # this forked rank only
+    report.put((rank, os.environ["LOCAL_SIZE"], get_accelerator().device_count()))
+
+
+def test_deepspeed_cpu_device_count_runs_no_subprocess_after_init():
+    # DeepSpeed's CPU accelerator runs `numactl --hardware` on every device_count() without LOCAL_SIZE, and ZeRO-3
+    # asks on every gradient reduce-scatter; init_distributed sets it as DeepSpeed's own launcher does
+    import multiprocessing
+    report = multiprocessing.get_context("fork").SimpleQueue()
+    run_ranks(_device_count_after_init, 2, report)
+    assert sorted(report.get() for _ in range(2)) == [(0, "2", 2), (1, "2", 2)]

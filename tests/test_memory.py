@@ -299,6 +299,19 @@ def test_every_memory_preset_builds_and_applies(preset):
     assert _snapshot(lm) == before
 
 
+def test_both_offloads_share_one_host_link_with_the_configured_bound():
+    # one bound on the device memory waiting for host copies, not one per offload: two links of 2 GiB each left
+    # up to 4 GiB reserved above the allocated peak on an H200 (docs/benchmarks.md BE)
+    cfg = MemoryConfig(recompute="except_attention", attention_offload=True, offload_activations=True,
+                       offload_inflight_gib=0.75)
+    lm = _lm(init_topology(1))
+    recompute, offload = build_memory_policies(cfg, lm.hf)
+    assert recompute.offload.link is offload._link
+    assert offload._link.max_inflight_bytes == int(0.75 * 2**30)
+    (alone,) = build_memory_policies(MemoryConfig(recompute="except_attention", attention_offload=True), lm.hf)
+    assert alone.offload.link.max_inflight_bytes == 2 << 30  # the default
+
+
 def test_allocator_env_and_memory_report():
     assert allocator_env(MemoryConfig(expandable_segments=True), current="") == {
         "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}

@@ -59,6 +59,10 @@ class _Span:
         self.loaded: Optional[torch.Tensor] = None  # device copy of [lo, hi) in backward
         self.ready = None    # CUDA event: the device copy is complete
 
+    def __del__(self) -> None:
+        if self.loaded is not None:  # reloaded, but the graph was freed before every handle was unpacked
+            HostLink.settle(self.loaded, self.ready)
+
     def cover(self, t: torch.Tensor) -> None:
         start, end = _extent(t)
         self.lo, self.hi = min(self.lo, start), max(self.hi, end)
@@ -170,8 +174,8 @@ class AttentionStash:
 class AttentionOffload:
     """The stashes of the running forwards (in call order, weakly), the host link and the counters."""
 
-    def __init__(self, max_inflight_bytes: int = 2 << 30) -> None:
-        self.link = HostLink(max_inflight_bytes)
+    def __init__(self, link: Optional[HostLink] = None) -> None:
+        self.link = link or HostLink()
         self._order: list[weakref.ref] = []
         self.stats = dict.fromkeys(
             ("offloaded", "offloaded_bytes", "reloaded", "prefetched", "loaded_on_demand", "released"), 0)

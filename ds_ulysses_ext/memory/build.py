@@ -22,7 +22,7 @@ import torch
 
 from .budget import BudgetRecompute, ProbeResult, choose_recompute_layers
 from .except_attention import ExceptAttentionRecompute
-from .offload import OffloadActivations
+from .offload import DEFAULT_INFLIGHT_BYTES, HostLink, OffloadActivations
 from .policy import MemoryPolicy, decoder_layers
 from .recompute import BlockRecompute, FullRecompute, NoRecompute, SelectiveRecompute
 from .tiling import TiledMLP
@@ -30,7 +30,8 @@ from .tiling import TiledMLP
 log = logging.getLogger(__name__)
 
 
-def _recompute_policy(memory_cfg, num_layers: int, probe: Optional[ProbeResult]) -> MemoryPolicy:
+def _recompute_policy(memory_cfg, num_layers: int, probe: Optional[ProbeResult],
+                      link: Optional[HostLink] = None) -> MemoryPolicy:
     kind = memory_cfg.recompute
     if kind == "none":
         return NoRecompute()
@@ -56,7 +57,7 @@ def _recompute_policy(memory_cfg, num_layers: int, probe: Optional[ProbeResult])
             log.info("except_attention: %d of %d layers recomputed whole to fit %.1f GiB (probe %.1f / %.1f GiB)",
                      whole, num_layers, memory_cfg.budget_gib, probe.peak_none_gib, probe.peak_full_gib)
         return ExceptAttentionRecompute(whole, memory_cfg.recompute_method,
-                                        offload=getattr(memory_cfg, "attention_offload", False))
+                                        offload=getattr(memory_cfg, "attention_offload", False), link=link)
     raise ValueError(f"unknown memory.recompute={kind!r}; choose none, full, block, selective, budget or "
                      "except_attention")
 
@@ -64,7 +65,11 @@ def _recompute_policy(memory_cfg, num_layers: int, probe: Optional[ProbeResult])
 def build_memory_policies(memory_cfg, model: torch.nn.Module,
                           probe: Optional[ProbeResult] = None) -> list[MemoryPolicy]:
     """The policies memory_cfg selects, unapplied, in application order. probe: for recompute=budget."""
-    policies = [_recompute_policy(memory_cfg, len(decoder_layers(model)), probe)]
+    # one host link for both offloads: one side stream on the one PCIe link, and one bound on the device memory
+    # that waits for device-to-host copies (memory.offload_inflight_gib), not one bound each
+    inflight_gib = getattr(memory_cfg, "offload_inflight_gib", DEFAULT_INFLIGHT_BYTES / 2**30)
+    link = HostLink(int(inflight_gib * 2**30))
+    policies = [_recompute_policy(memory_cfg, len(decoder_layers(model)), probe, link)]
     if getattr(memory_cfg, "selective_kept", False):
         if memory_cfg.recompute not in ("block", "budget"):
             raise ValueError("memory.selective_kept=true only applies to memory.recompute=block or budget")
@@ -73,7 +78,8 @@ def build_memory_policies(memory_cfg, model: torch.nn.Module,
     if memory_cfg.tiled_mlp:
         policies.append(TiledMLP(memory_cfg.mlp_tile_tokens))
     if memory_cfg.offload_activations:
-        policies.append(OffloadActivations(max_host_bytes=int(getattr(memory_cfg, "offload_max_gib", 0.0) * 2**30)))
+        policies.append(OffloadActivations(max_host_bytes=int(getattr(memory_cfg, "offload_max_gib", 0.0) * 2**30),
+                                           link=link))
     return policies
 
 

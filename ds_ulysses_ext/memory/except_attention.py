@@ -47,6 +47,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..kernels.projections import outputs_unused
 from .attention_offload import AttentionOffload, AttentionStash
+from .offload import HostLink
 from .policy import MemoryPolicy, decoder_layers
 from .recompute import _warn_if_hf_checkpointing, checkpointed, recompute_layer_indices
 
@@ -138,13 +139,13 @@ class ExceptAttentionRecompute(MemoryPolicy):
     name = "except_attention"
 
     def __init__(self, full_layers: int = 0, method: str = "uniform", offload: bool = False,
-                 max_inflight_bytes: int = 2 << 30) -> None:
+                 link: Optional[HostLink] = None) -> None:
         super().__init__()
         self.full_layers = full_layers
         self.method = method
         self.full_indices: list[int] = []
         # memory.attention_offload: the kept attention tensors live in pinned host memory (attention_offload.py)
-        self.offload = AttentionOffload(max_inflight_bytes) if offload else None
+        self.offload = AttentionOffload(link) if offload else None
 
     def _apply(self, model: torch.nn.Module) -> None:
         config = getattr(model, "config", None) or model.hf.config

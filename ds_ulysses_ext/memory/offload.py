@@ -11,7 +11,8 @@ offloads as many of them as the host can hold.
 
 On CUDA, pack copies into pinned host memory on a side stream (after the producing work, via
 wait_stream) and records an event; `record_stream` keeps the device block from being reused before the
-copy has read it. Unpack waits on that event and copies back. Tensors are unpacked in backward in
+copy has read it. Unpack waits on that event and copies back; a copy back is read only after the compute
+stream waited on its event, so its block needs no `record_stream` (HostLink.to_device says why). Tensors are unpacked in backward in
 roughly reverse order of packing, so each unpack also starts the host-to-device copy of the next
 `prefetch` earlier-packed tensors on the side stream, to overlap with the backward compute.
 On CPU a tensor is "offloaded" by a real `.clone()`, so the same code path runs in CPU tests.
@@ -40,6 +41,9 @@ def _is_parameter(t: torch.Tensor) -> bool:
     return False
 
 
+DEFAULT_INFLIGHT_BYTES = 2 << 30  # memory.offload_inflight_gib's default
+
+
 class HostLink:
     """Copies between one device and pinned host memory on a side stream, with a bound on what is in flight.
 
@@ -48,10 +52,11 @@ class HostLink:
     tensor (wait_stream), records an event, and `record_stream` keeps the device block from being reused before
     the copy has read it; `to_device` allocates on the compute stream (so the block returns to its pool) and
     copies on the side stream after the host copy is complete. Any other device: real clones, so CPU tests run
-    the same calls.
+    the same calls. One link serves every offload of a model (memory/build.py), so the bound on copies in flight
+    is one bound for all of them, and they share one side stream, as they share one host link.
     """
 
-    def __init__(self, max_inflight_bytes: int = 2 << 30) -> None:
+    def __init__(self, max_inflight_bytes: int = DEFAULT_INFLIGHT_BYTES) -> None:
         self.max_inflight_bytes = max_inflight_bytes
         self._stream = None
         self._inflight: deque = deque()  # (event, bytes) of device-to-host copies not known to be done
@@ -116,8 +121,19 @@ class HostLink:
             out.copy_(host, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record(stream)
-        out.record_stream(stream)  # written on the side stream, freed on the compute stream
+        # No record_stream here. With it, a block freed on the compute stream waits for everything the side
+        # stream has queued by then, and prefetches queue ahead of the GPU by as far as the host runs ahead of
+        # it in backward: on an H200 that held up to several layers' reloaded tensors as reserved but unusable
+        # memory. The block was allocated on the compute stream and every reader there waits on `ready` first
+        # (the callers' unpack), so any later compute-stream reuse is ordered after the write. A copy dropped
+        # unread must do the same first: `settle`.
         return out, ready
+
+    @staticmethod
+    def settle(out: Optional[torch.Tensor], ready) -> None:
+        """Order the compute stream after `to_device`'s copy of `out`, which is dropped without being read."""
+        if out is not None and ready is not None:
+            torch.cuda.current_stream(out.device).wait_event(ready)
 
 
 class _Packed:
@@ -133,20 +149,23 @@ class _Packed:
         self.index = index        # position in pack order
         self.used = False         # unpacked at least once: no point prefetching it again
 
+    def __del__(self) -> None:
+        if self.prefetched is not None:  # a graph freed before its backward reached this tensor
+            HostLink.settle(self.prefetched, self.ready)
+
 
 class OffloadActivations(MemoryPolicy):
     """Saved activations of the decoder forward go to (pinned) host memory and come back in backward."""
 
     name = "offload"
 
-    def __init__(self, min_bytes: int = 1 << 20, prefetch: int = 2, max_inflight_bytes: int = 2 << 30,
-                 max_host_bytes: int = 0) -> None:
+    def __init__(self, min_bytes: int = 1 << 20, prefetch: int = 2, max_host_bytes: int = 0,
+                 link: Optional[HostLink] = None) -> None:
         super().__init__()
         self.min_bytes = min_bytes
         self.max_host_bytes = max_host_bytes  # per forward; 0 = no cap
         self.prefetch = prefetch
-        self.max_inflight_bytes = max_inflight_bytes
-        self._link = HostLink(max_inflight_bytes)
+        self._link = link or HostLink()
         self._packed: list[weakref.ref] = []  # this forward's packed tensors, in pack order
         self.stats = {"offloaded": 0, "offloaded_bytes": 0, "kept_params": 0, "kept_small": 0, "kept_over_cap": 0}
         self._host_full = False  # this forward reached max_host_bytes: nothing more is offloaded
@@ -215,4 +234,4 @@ class OffloadActivations(MemoryPolicy):
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(min_bytes={self.min_bytes}, prefetch={self.prefetch}, "
-                f"max_inflight_bytes={self.max_inflight_bytes}, max_host_bytes={self.max_host_bytes})")
+                f"max_inflight_bytes={self._link.max_inflight_bytes}, max_host_bytes={self.max_host_bytes})")

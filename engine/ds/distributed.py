@@ -42,6 +42,10 @@ def init_distributed(rt: Runtime) -> None:
     if rt.device.type == "cpu":
         # DeepSpeed picks its accelerator at import; make CPU explicit (and silence its warning)
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        # its CPU accelerator's device_count() runs `numactl --hardware` in a subprocess on every call unless
+        # LOCAL_SIZE is set, and ZeRO-3 calls it on every gradient reduce-scatter: 560 forks in four steps of a
+        # tiny model at world 4. DeepSpeed's own launcher sets LOCAL_SIZE to the local ranks; do as it does
+        os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1"))
     else:
         torch.cuda.set_device(rt.device)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
