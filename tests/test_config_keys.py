@@ -33,7 +33,7 @@ UNREAD = {
     "memory.probe_full_gib": ([], {"memory.probe_none_gib": 10.0, "memory.probe_full_gib": 5.0}),
     "memory.selective_kept": ([], True),
     "memory.offload_max_gib": ([], 2.0),
-    "memory.offload_inflight_gib": ([], 0.5),
+    "memory.offload_inflight_gib": ([], 1.0),
     "memory.mlp_tile_tokens": ([], 1024),
     "memory.auto_gpu_gib": ([], 80.0),
     "memory.auto_host_gib": ([], 500.0),

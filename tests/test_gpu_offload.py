@@ -71,17 +71,9 @@ def test_both_offloads_reserve_at_most_the_bound_above_the_allocated_peak():
     On an H200: 200 MiB above (a layer's bytes: 279 MiB); with record_stream on the reloads again, each freed reload
     waiting for the side stream's queue, 804 MiB, over the 599 MiB allowed."""
     from configs.memory import MemoryConfig
-    from ds_ulysses_ext import CPCausalLM, enable_context_parallel, init_topology, shard_batch
     from ds_ulysses_ext.memory import apply_memory_policies, remove_all
-    from tiny_models import tiny_model
-    layers, S, bound_gib = 6, 32768, 0.25
-    topo = init_topology(1)
-    hf = tiny_model("llama", num_hidden_layers=layers, hidden_size=1024, intermediate_size=2048, num_attention_heads=16,
-                    num_key_value_heads=4, head_dim=64, vocab_size=1024, max_position_embeddings=S)
-    hf = enable_context_parallel(hf.to("cuda", torch.bfloat16), topo)
-    lm = CPCausalLM(hf, loss_chunk_size=4096)
-    ids = torch.randint(0, 1024, (1, S), device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
-    local = shard_batch({"input_ids": ids, "labels": ids.clone()}, topo)
+    layers, bound_gib = 6, 0.25
+    hf, lm, local = test_gpu_paths.offload_test_model(layers)
 
     def step(cfg):
         policies = apply_memory_policies(hf, cfg)

@@ -445,22 +445,27 @@ def test_mla_head_dims_through_the_gpu_kernels(feature, monkeypatch):
         assert _rel(got, want) < TOL, (feature, name, _rel(got, want))
 
 
-def test_attention_offload_on_cuda_matches_and_lowers_the_peak():
-    # memory.attention_offload on the real path: pinned host copies on the side stream, events, record_stream, the
-    # one-layer-ahead prefetch. Six layers at 32k tokens in bf16 against except_attention without it: the same loss
-    # and gradients (bytes are only moved; bf16 attention backward kernels may order their sums differently), and a
-    # lower peak, by at least half of what all but two layers' attention tensors take
+def offload_test_model(layers: int, S: int = 32768):
+    """(HF model, CPCausalLM, local batch): a bf16 Llama of `layers` 1024-wide layers at S tokens on one GPU, cp 1, for
+    the offload tests (here and tests/test_gpu_offload.py)."""
     from ds_ulysses_ext import CPCausalLM, enable_context_parallel, init_topology, shard_batch
-    from ds_ulysses_ext.memory import ExceptAttentionRecompute
     from tiny_models import tiny_model
-    layers, S = 6, 32768
     topo = init_topology(1)
     hf = tiny_model("llama", num_hidden_layers=layers, hidden_size=1024, intermediate_size=2048, num_attention_heads=16,
                     num_key_value_heads=4, head_dim=64, vocab_size=1024, max_position_embeddings=S)
     hf = enable_context_parallel(hf.to("cuda", torch.bfloat16), topo)
-    lm = CPCausalLM(hf, loss_chunk_size=4096)
     ids = torch.randint(0, 1024, (1, S), device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
-    local = shard_batch({"input_ids": ids, "labels": ids.clone()}, topo)
+    return hf, CPCausalLM(hf, loss_chunk_size=4096), shard_batch({"input_ids": ids, "labels": ids.clone()}, topo)
+
+
+def test_attention_offload_on_cuda_matches_and_lowers_the_peak():
+    # memory.attention_offload on the real path: pinned host copies on the side stream, events, the one-layer-ahead
+    # prefetch. Six layers at 32k tokens in bf16 against except_attention without it: the same loss
+    # and gradients (bytes are only moved; bf16 attention backward kernels may order their sums differently), and a
+    # lower peak, by at least half of what all but two layers' attention tensors take
+    from ds_ulysses_ext.memory import ExceptAttentionRecompute
+    layers = 6
+    hf, lm, local = offload_test_model(layers)
 
     def step(offload):
         policy = ExceptAttentionRecompute(offload=offload).apply(hf)

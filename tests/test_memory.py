@@ -309,7 +309,7 @@ def test_both_offloads_share_one_host_link_with_the_configured_bound():
     assert recompute.offload.link is offload._link
     assert offload._link.max_inflight_bytes == int(0.75 * 2**30)
     (alone,) = build_memory_policies(MemoryConfig(recompute="except_attention", attention_offload=True), lm.hf)
-    assert alone.offload.link.max_inflight_bytes == 2 << 30  # the default
+    assert alone.offload.link.max_inflight_bytes == 512 << 20  # the default
 
 
 def test_allocator_env_and_memory_report():

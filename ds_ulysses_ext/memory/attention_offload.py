@@ -60,7 +60,8 @@ class _Span:
         self.ready = None    # CUDA event: the device copy is complete
 
     def __del__(self) -> None:
-        if self.loaded is not None:  # reloaded, but the graph was freed before every handle was unpacked
+        # reloaded, but the graph was freed before every handle was unpacked
+        if getattr(self, "loaded", None) is not None:
             HostLink.settle(self.loaded, self.ready)
 
     def cover(self, t: torch.Tensor) -> None:

@@ -41,7 +41,7 @@ def _is_parameter(t: torch.Tensor) -> bool:
     return False
 
 
-DEFAULT_INFLIGHT_BYTES = 2 << 30  # memory.offload_inflight_gib's default
+DEFAULT_INFLIGHT_BYTES = 512 << 20  # memory.offload_inflight_gib's default
 
 
 class HostLink:
@@ -150,7 +150,7 @@ class _Packed:
         self.used = False         # unpacked at least once: no point prefetching it again
 
     def __del__(self) -> None:
-        if self.prefetched is not None:  # a graph freed before its backward reached this tensor
+        if getattr(self, "prefetched", None) is not None:  # a graph freed before its backward reached this tensor
             HostLink.settle(self.prefetched, self.ready)
 
 
