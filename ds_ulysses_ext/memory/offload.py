@@ -12,8 +12,8 @@ offloads as many of them as the host can hold.
 On CUDA, pack copies into pinned host memory on a side stream (after the producing work, via
 wait_stream) and records an event; `record_stream` keeps the device block from being reused before the
 copy has read it. Unpack waits on that event and copies back; a copy back is read only after the compute
-stream waited on its event, so its block needs no `record_stream` (HostLink.to_device says why). Tensors are unpacked in backward in
-roughly reverse order of packing, so each unpack also starts the host-to-device copy of the next
+stream waited on its event, so its block needs no `record_stream` (HostLink.to_device says why). Tensors are
+unpacked in backward in roughly reverse order of packing, so each unpack also starts the host-to-device copy of the next
 `prefetch` earlier-packed tensors on the side stream, to overlap with the backward compute.
 On CPU a tensor is "offloaded" by a real `.clone()`, so the same code path runs in CPU tests.
 The copies go through `HostLink`, which except_attention's attention offload (attention_offload.py) shares.
