@@ -28,6 +28,8 @@
 #                delete it).
 #   site_cu13    unpack the cu13 archive (its parts from /tmp/fa4a/, .fa4a/ and .fa4b/) into the site folder
 #   fa4          our attention with FlashAttention-4 vs SDPA (cuDNN), group of 1, D=64 (the 1B model) and D=128
+#   fa4_tiles    FA4's own Hopper tile choice against variants, backward then forward, at the 1B model's attention shape
+#                (scripts/bench_fa4_tiles.py; $TILE_SEQS, default 16384,65536); $OUT/fa4_tiles.jsonl. About 1 min
 #   train_512k   one 512k step of ours (memory=except_attention_tiled) and of ALST (its measured maximum), no warm-up
 #   train_1m     one 1,048,576-token step of ours (memory=long_context); about 14 min at the measured 256k rate,
 #                which is over the device's 10-minute command limit on one H200
@@ -144,6 +146,8 @@ for part in ${*:-attn train_short train_long}; do
                parts=$(for f in /tmp/fa4a/cu13.tar.xz.part-* .fa4a/cu13.tar.xz.part-* .fa4b/cu13.tar.xz.part-*; do
                          [ -f "$f" ] && echo "$(basename "$f") $f"; done | sort -u -k1,1 | cut -d' ' -f2)
                cat $parts | tar -xJ -C "$SITE" && echo "cutlass-dsl cu13 libs unpacked into $SITE from" $parts ;;
+    fa4_tiles) for d in bwd fwd; do python3 scripts/bench_fa4_tiles.py $d --seqs ${TILE_SEQS:-16384,65536} 2>&1 \
+                 | grep '^{' | tee -a "$OUT/fa4_tiles.jsonl"; done ;;
     fa4) python3 -c "import flash_attn.cute; print('flash_attn.cute imports')" 2>&1 | tail -2
          for d in 64 128; do
            python3 scripts/bench_attention.py --seqs 32768,131072 --reps 5 --head-dim $d --backend sdpa | tee -a "$OUT/attn.jsonl"

@@ -8,11 +8,18 @@ GPU sat idle waiting for the host. For each phase.* range (engine/observe/profil
 optimizer) this prints:
 - host side: the span, the top-level operators by total time, and how many kernels were launched;
 - device side (CUDA traces): the span of the phase's GPU range, the time kernels and copies kept the GPU
-  busy in it, the idle remainder (host-bound time), and the kernels by total time;
+  busy in it (the union of their intervals), the idle remainder (host-bound time), and the kernels by total time;
 - device work by launch: the kernels and copies whose launch (matched by its correlation id) lies in the
   phase's host span, from any thread, rolled up by kind (GEMM, attention, copy, ...). The GPU range of
   phase.backward holds almost nothing: autograd launches backward's kernels from its own thread, outside the
-  main thread's range, so only this view says what backward's GPU time was spent on.
+  main thread's range, so only this view says what backward's GPU time was spent on. Its span runs from the
+  first such kernel's start to the last one's end, and its idle time is what the span's union of busy intervals
+  leaves (side-stream copies overlapping compute count once);
+- last, the whole step's device side: from the first phase's first kernel to the last phase's last one, busy and
+  idle as above (idle time between phases shows only here); and the step's two ends: how long the GPU waited
+  for the host's first kernel after the step's first operator (sharding, copies, the token count), and how long
+  the host went on after the last kernel (the loss and norm read back, the all-reduces). The profiler wraps one
+  train_step, which starts and ends on an idle GPU, so both ends are time the GPU spends idle in every step.
 """
 import argparse
 import json
@@ -57,6 +64,17 @@ def kind(name: str) -> str:
     return next((k for k, subs in KINDS if any(s in name for s in subs)), "Triton and other")
 
 
+def _union(events):
+    """(span, busy) of device events in us: first start to last end, and the length of the union of intervals."""
+    spans = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in events)
+    busy, end = 0.0, -float("inf")
+    for lo, hi in spans:
+        if hi > end:
+            busy += hi - max(lo, end)
+            end = hi
+    return end - spans[0][0], busy
+
+
 def ms(us):
     return f"{us / 1000:.2f}"
 
@@ -71,11 +89,12 @@ def report(events, top):
     launches = [e for e in api if "Launch" in e.get("name", "")]
     device = [e for e in events if e.get("cat") in DEVICE_CATS and e.get("ph") == "X"]
     launched_at = {e["args"]["correlation"]: e["ts"] for e in api if "correlation" in e.get("args", {})}
+    step = []  # every phase's device work, by launch
     for ph in phases:
         lo, hi = ph["ts"], ph["ts"] + ph["dur"]
         if ph.get("cat") == "gpu_user_annotation":
             inside = [e for e in device if _within(e, lo, hi)]
-            busy = sum(e["dur"] for e in inside)
+            busy = _union(inside)[1] if inside else 0.0  # a side-stream copy beside a kernel counts once
             lines.append(f"{ph['name']} GPU: span {ms(ph['dur'])} ms, busy {ms(busy)} ms, "
                          f"idle {ms(ph['dur'] - busy)} ms, {len(inside)} kernels/copies")
             lines += _table(inside, top)
@@ -87,13 +106,27 @@ def report(events, top):
             lines += _table(ops, top)
             mine = [e for e in device if lo <= launched_at.get(e.get("args", {}).get("correlation"), -1.0) <= hi]
             if mine:
+                step += mine
                 by = defaultdict(float)
                 for e in mine:
                     by[kind(e["name"])] += e["dur"]
+                span, busy = _union(mine)
                 lines.append(f"{ph['name']} GPU by launch: busy {ms(sum(by.values()))} ms in {len(mine)} "
                              "kernels/copies: " + ", ".join(f"{k} {ms(d)}" for k, d in sorted(by.items(),
                                                                                            key=lambda kv: -kv[1])))
+                lines.append(f"{ph['name']} GPU by launch: span {ms(span)} ms from its first kernel to its last, "
+                             f"idle {ms(span - busy)} ms")
                 lines += _table(mine, top)
+    if step:
+        span, busy = _union(step)
+        lines.append(f"step GPU (every phase's work by launch): span {ms(span)} ms, busy {ms(busy)} ms, "
+                     f"idle {ms(span - busy)} ms")
+    host = [e for e in cpu_ops if "ts" in e]
+    if host and device:
+        first, last = min(e["ts"] for e in host), max(e["ts"] + e.get("dur", 0) for e in host)
+        k0, k1 = min(e["ts"] for e in device), max(e["ts"] + e.get("dur", 0) for e in device)
+        lines.append(f"step ends: its first kernel started {ms(k0 - first)} ms after its first host op, its last "
+                     f"kernel ended {ms(last - k1)} ms before its last host op ended")
     return "\n".join(lines)
 
 

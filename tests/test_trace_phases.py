@@ -58,3 +58,34 @@ def test_device_work_by_launch_and_kind():
             "Triton and other 0.00, torch elementwise / reduce 0.00") in text
     assert "phase.backward host: span 0.10 ms, 0 top-level ops, 3 kernel launches" in text  # cuBLAS's counted too
     assert "nvjet_late" not in text
+
+
+def test_span_and_idle_of_device_work_by_launch_and_of_the_step():
+    # forward launches on the main thread, backward on autograd's; a side-stream copy overlaps a kernel (counted
+    # once), and the GPU waits 2 ms between the phases and 1 ms inside backward
+    def launch(ts, corr, tid):
+        return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 1, "pid": 1,
+                "tid": tid, "args": {"correlation": corr}}
+
+    def dev(cat, name, ts, dur, corr, tid=7):
+        return dict(_x(cat, name, ts, dur, tid=tid), args={"correlation": corr})
+
+    events = [
+        _x("cpu_op", "aten::to", -500, 100),                            # the step's first host op: the GPU
+        _x("cpu_op", "aten::item", 300, 18000),                         # waits 1.5 ms; the host ends 0.3 ms late
+        _x("user_annotation", "phase.forward", 0, 100), launch(10, 1, 1), launch(20, 2, 1),
+        _x("gpu_user_annotation", "phase.forward", 1000, 6000, tid=7),
+        _x("user_annotation", "phase.backward", 200, 100), launch(210, 3, 2), launch(220, 4, 2), launch(230, 5, 2),
+        dev("kernel", "nvjet_fwd", 1000, 4000, 1),
+        dev("gpu_memcpy", "Memcpy DtoH", 3000, 3000, 2, tid=8),        # 1 ms past the kernel: busy 5 ms, span 5
+        dev("kernel", "flash_bwd", 8000, 5000, 3),                      # 2 ms after the forward's last work
+        dev("kernel", "nvjet_bwd", 14000, 3000, 4),                     # 1 ms idle before it
+        dev("kernel", "_adamw", 17000, 1000, 5),
+    ]
+    text = report(events, top=5)
+    assert "phase.forward GPU by launch: span 5.00 ms from its first kernel to its last, idle 0.00 ms" in text
+    assert "phase.forward GPU: span 6.00 ms, busy 5.00 ms, idle 1.00 ms, 2 kernels/copies" in text
+    assert "phase.backward GPU by launch: span 10.00 ms from its first kernel to its last, idle 1.00 ms" in text
+    assert "step GPU (every phase's work by launch): span 17.00 ms, busy 14.00 ms, idle 3.00 ms" in text
+    assert ("step ends: its first kernel started 1.50 ms after its first host op, its last kernel ended 0.30 ms "
+            "before its last host op ended") in text
