@@ -125,8 +125,8 @@ def report(events, top):
     if host and device:
         first, last = min(e["ts"] for e in host), max(e["ts"] + e.get("dur", 0) for e in host)
         k0, k1 = min(e["ts"] for e in device), max(e["ts"] + e.get("dur", 0) for e in device)
-        lines.append(f"step ends: its first kernel started {ms(k0 - first)} ms after its first host op, its last "
-                     f"kernel ended {ms(last - k1)} ms before its last host op ended")
+        lines.append(f"step ends: the GPU's first work started {ms(k0 - first)} ms after the first host op, its last "
+                     f"ended {ms(last - k1)} ms before the last host op ended")
     return "\n".join(lines)
 
 

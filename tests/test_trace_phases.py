@@ -87,5 +87,5 @@ def test_span_and_idle_of_device_work_by_launch_and_of_the_step():
     assert "phase.forward GPU: span 6.00 ms, busy 5.00 ms, idle 1.00 ms, 2 kernels/copies" in text
     assert "phase.backward GPU by launch: span 10.00 ms from its first kernel to its last, idle 1.00 ms" in text
     assert "step GPU (every phase's work by launch): span 17.00 ms, busy 14.00 ms, idle 3.00 ms" in text
-    assert ("step ends: its first kernel started 1.50 ms after its first host op, its last kernel ended 0.30 ms "
-            "before its last host op ended") in text
+    assert ("step ends: the GPU's first work started 1.50 ms after the first host op, its last ended 0.30 ms before "
+            "the last host op ended") in text
