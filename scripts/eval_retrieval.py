@@ -47,7 +47,9 @@ _TASK_FIELDS = ("key", "key_length", "num_needles", "num_distractors", "filler")
 
 @hydra.main(version_base="1.3", config_path="../hydra_conf", config_name="eval_retrieval")
 def main(dict_cfg: DictConfig) -> None:
+    from engine.ds.distributed import shutdown_distributed
     run(to_eval_config(dict_cfg))
+    shutdown_distributed()  # reached only when the evaluation ended normally
 
 
 def to_eval_config(dict_cfg) -> RetrievalEvalConfig:

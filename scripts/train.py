@@ -32,7 +32,9 @@ warnings.filterwarnings("ignore", message=r".*(all_gather_into_tensor|reduce_sca
 
 @hydra.main(version_base="1.3", config_path="../hydra_conf", config_name="train")
 def main(dict_cfg: DictConfig) -> None:
+    from engine.ds.distributed import shutdown_distributed
     run(to_dataclass(dict_cfg))  # from here on: typed dataclasses only
+    shutdown_distributed()  # reached only when the run ended normally
 
 
 def run(cfg: TrainConfig) -> dict:

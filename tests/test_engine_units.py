@@ -358,3 +358,24 @@ def test_deepspeed_cpu_device_count_runs_no_subprocess_after_init():
     report = multiprocessing.get_context("fork").SimpleQueue()
     run_ranks(_device_count_after_init, 2, report)
     assert sorted(report.get() for _ in range(2)) == [(0, "2", 2), (1, "2", 2)]
+
+
+def _shutdown_in_a_fresh_process(store, report):
+    import torch.distributed as dist
+    from engine.ds.distributed import shutdown_distributed
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    dist.new_group([0])  # a subgroup too, as DeepSpeed and the CP topology make
+    shutdown_distributed()
+    report.put(dist.is_initialized())
+
+
+def test_shutdown_destroys_the_process_groups(tmp_path):
+    # scripts/train.py and eval_retrieval.py end with it: gloo's threads left to the interpreter's exit can abort the
+    # process after a successful run (engine/ds/distributed.py shutdown_distributed)
+    import multiprocessing
+    ctx = multiprocessing.get_context("fork")
+    report = ctx.SimpleQueue()
+    child = ctx.Process(target=_shutdown_in_a_fresh_process, args=(tmp_path / "store", report))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0 and report.get() is False

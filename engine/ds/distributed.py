@@ -62,6 +62,17 @@ def init_distributed(rt: Runtime) -> None:
         deepspeed.init_distributed(dist_backend="nccl" if rt.device.type == "cuda" else "gloo")
 
 
+def shutdown_distributed() -> None:
+    """Destroy the process groups at the end of a run that ended normally on this rank.
+
+    Without it, gloo's worker threads can outlive the interpreter's finalisation and abort the process at exit
+    (SIGABRT, "terminate called without an active exception"): the launcher then reports a failed run after the
+    run's outputs were written (seen once in tests/test_engine.py's torchrun smoke test). Only after success: a rank
+    that raised must not wait in a collective teardown for ranks that may never reach it."""
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def cp_group_node_spans(world_size: int, cp: int) -> list[int]:
     """How many hosts each CP group spans. Collective: every rank contributes its hostname."""
     hosts = [None] * world_size
