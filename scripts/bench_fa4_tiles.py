@@ -14,6 +14,7 @@ variant and length (docs/benchmarks.md BF).
 """
 import argparse
 import json
+import statistics
 import time
 
 import torch
@@ -61,8 +62,7 @@ def run(fn, s: int, reps: int):
         if i:
             fwd.append(e[0].elapsed_time(e[1]))
             bwd.append(e[1].elapsed_time(e[2]))
-    median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
-    return median(fwd), median(bwd), out.float(), [t.grad.float() for t in (q, k, v)]
+    return statistics.median(fwd), statistics.median(bwd), out.float(), [t.grad.float() for t in (q, k, v)]
 
 
 def main():
