@@ -243,3 +243,19 @@ def test_train_with_memory_auto_logs_and_applies_the_choice(tmp_path):
     memory = json.loads((out / "config.json").read_text())["config"]["memory"]  # what the run read
     assert not memory["auto"] and all(memory[k] == v for k, v in preset_fields()[expected].items())
     assert json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["step"] == 1
+
+
+def test_auto_never_chooses_a_preset_the_run_would_refuse():
+    """DeepSeek-V3's 2-layer shape: block and except_attention_tiled recompute 4 layers, which validate refuses on a
+    2-layer model. The plan marks them refused and never counts them as fitting, however fast; at a size where they
+    would be the only ones to fit, nothing is chosen (plan.py used to list them as fitting)."""
+    cfg = compose_config(["model=deepseek_v3_2l", "data=synthetic", "precision=bf16", "parallelism.cp=1",
+                          "device=cuda", "data.seq_len=4096"])
+    plan = plan_memory(cfg, 1, 100000.0, 100000.0)
+    refused = {c.name for c in plan.candidates if c.refused}
+    assert {"selective_block", "except_attention_tiled"} <= refused
+    assert not any(c.fits for c in plan.candidates if c.refused)
+    assert plan.choice not in refused
+    assert "no: refused (memory.recompute=block" in plan.table()
+    for name in (c.name for c in plan.candidates if c.fits):  # whatever can be chosen, the run accepts
+        validate(auto_memory.chosen_config(cfg, name), 1)

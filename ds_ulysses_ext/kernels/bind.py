@@ -119,6 +119,9 @@ def _bind_norm(norm, provider) -> None:
 def _bind_mlp(mlp, provider) -> None:
     def forward(x):
         return mlp.down_proj(provider.silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
+    # still down(act_mul(gate(x), up(x))): memory/recompute.py's selective policy reads this to recompute only the
+    # product, as it does for HF's own MLPs (without it, it met a patched forward it could not see into, and refused)
+    forward.act_mul = provider.silu_mul
     mlp.forward = forward
 
 

@@ -5,22 +5,22 @@ cos, sin [B, s, D] -> q, k rotated; the loss head: hidden [T, H], weight [V, H],
 cross-entropies.
 
 Liger is imported lazily (a GPU extra). Its RMSNorm casting modes are the two HF orders of reference.rms_norm:
-"llama" casts before the weight, "gemma" (offset 0) scales in fp32. The first call of each (op, dtype, width)
-runs the provider and the reference in fp32 on a small input of that width, forward and backward, and stops the
+"llama" casts before the weight, "gemma" (offset 0) scales in fp32. The first call of each op on each input layout
+(Checked) runs the provider and the reference on rows cut from that very input, forward and backward, and stops the
 run with the fix if they disagree: a wrong kernel must not train silently.
 """
 from __future__ import annotations
 
-import functools
 import importlib.util
 import logging
 
 import torch
 
-from ..attention.kernel_check import first_disagreement, isolated
+from ..attention.kernel_check import isolated, relative_error
 from ..batch import IGNORE_INDEX
 from ..errors import UnsupportedError
 from . import reference
+from .layout_sample import describe, layout_key, relayout, same_layout, sample_rows
 from .rms_norm import RMSNorm
 
 log = logging.getLogger(__name__)
@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 KERNEL_MODES = ("auto", "liger", "compile", "none")
 LOSS_HEADS = ("auto", "ours", "liger")  # model.loss_head; auto = ours (docs/benchmarks.md, loss head)
 TOLERANCE = 1e-4  # fp32 inputs: a fused kernel differs from the reference by rounding (~1e-6)
+HALF_FLOOR = 4e-3  # bf16/fp16 inputs: one rounding (2^-8) is always allowed, where the eager path happens to be exact
 
 
 class Provider:
@@ -120,77 +121,83 @@ def provider_for(mode: str, device: torch.device):
 
 
 class Checked(Provider):
-    """A provider whose every (op, dtype, width) is checked once against the reference before it is used."""
+    """A provider whose every op is checked against the reference on its first real input of each layout.
+
+    A layout is what a kernel's indexing depends on: dtype, width, the last two strides, whether the leading dims
+    merge into rows of one stride, and the storage offset's alignment. A stand-in input (a contiguous randn) once let
+    a kernel that read a strided slice as contiguous pass its check and then train MLA models with wrong gradients
+    (HF's kv_a_layernorm takes a slice of torch.split): so the check runs on a few rows cut from the input the run
+    really hands over, laid out in memory exactly as it is (kernels/layout_sample.py)."""
 
     def __init__(self, inner: Provider):
         self.inner, self.name, self.fused_head = inner, inner.name, inner.fused_head
+        self._seen = set()
 
     def rms_norm(self, x, weight, eps, weight_in_fp32):
-        _check_norm(self.inner, x.device, x.dtype, x.shape[-1], weight.dtype, eps, weight_in_fp32)
+        self._first_use("rms_norm", (x, weight), (eps, weight_in_fp32), grads=2)
         return self.inner.rms_norm(x, weight, eps, weight_in_fp32)
 
     def silu_mul(self, gate, up):
-        _check_silu_mul(self.inner, gate.device, gate.dtype, gate.shape[-1])
+        self._first_use("silu_mul", (gate, up), (), grads=2)
         return self.inner.silu_mul(gate, up)
 
     def rope(self, q, k, cos, sin):
-        _check_rope(self.inner, q.device, q.dtype, q.shape[-1], q.shape[1], k.shape[1])
+        self._first_use("rope", (q, k, cos, sin), (), grads=2)
         return self.inner.rope(q, k, cos, sin)
 
     def linear_cross_entropy_sum(self, hidden, weight, labels):
-        _check_head(self.inner, hidden.device, hidden.dtype, hidden.shape[-1])
+        self._first_use("linear_cross_entropy_sum", (hidden, weight, labels), (), grads=2)
         return self.inner.linear_cross_entropy_sum(hidden, weight, labels)
 
-
-@functools.lru_cache(maxsize=None)
-def _check_norm(provider, device, dtype, H, wdtype, eps, weight_in_fp32) -> None:
-    gen = torch.Generator(device=device).manual_seed(0)
-    x = torch.randn(64, H, device=device, generator=gen)
-    w = 1 + 0.1 * torch.randn(H, device=device, generator=gen)
-    _compare("rms_norm", provider, (x, w), (eps, weight_in_fp32), device, H, dtype)
-
-
-@functools.lru_cache(maxsize=None)
-def _check_silu_mul(provider, device, dtype, I) -> None:
-    gen = torch.Generator(device=device).manual_seed(0)
-    gate, up = torch.randn(64, I, device=device, generator=gen), torch.randn(64, I, device=device, generator=gen)
-    _compare("silu_mul", provider, (gate, up), (), device, I, dtype)
+    def _first_use(self, op: str, tensors, args, grads: int) -> None:
+        key = (op, args) + tuple(layout_key(t) for t in tensors)
+        if key in self._seen:
+            return
+        _compare(op, self.inner, sample_rows(op, tensors), args, grads)
+        self._seen.add(key)
 
 
-@functools.lru_cache(maxsize=None)
-def _check_rope(provider, device, dtype, D, Hq, Hkv) -> None:
-    gen = torch.Generator(device=device).manual_seed(0)
-    q, k = torch.randn(2, Hq, 8, D, device=device, generator=gen), torch.randn(2, Hkv, 8, D, device=device, generator=gen)
-    angle = torch.arange(8, device=device)[:, None] * torch.rand(D // 2, device=device, generator=gen)
-    emb = torch.cat((angle, angle), dim=-1).expand(2, 8, D)
-    _compare("rope", provider, (q, k, emb.cos(), emb.sin()), (), device, D, dtype, grads=2)
-
-
-@functools.lru_cache(maxsize=None)
-def _check_head(provider, device, dtype, H) -> None:
-    # a vocabulary that is no power of two, some tokens ignored: the kernel's tails and its ignore_index
-    gen = torch.Generator(device=device).manual_seed(0)
-    hidden, weight = torch.randn(96, H, device=device, generator=gen), torch.randn(1000, H, device=device, generator=gen)
-    labels = torch.randint(0, 1000, (96,), device=device, generator=gen)
-    labels[::7] = IGNORE_INDEX
-    _compare("linear_cross_entropy_sum", provider, (hidden, weight / H ** 0.5, labels), (), device, H, dtype, grads=2)
-
-
-def _compare(op: str, provider, tensors, args, device, width: int, dtype, grads: int = None) -> None:
-    """The provider's `op` against the reference's, forward and backward, in fp32 on `tensors` (+ plain `args`)."""
-    n_grads = grads or len(tensors)  # the first n_grads tensors are differentiated
+def _compare(op: str, provider, tensors, args, n_grads: int) -> None:
+    """The provider's `op` in the run's dtypes against the reference's in the same dtypes and in fp32, forward and
+    backward, on `tensors` as they lie in memory (the first n_grads differentiated). The provider may be no further
+    from fp32 than twice the eager path in the run's dtypes (fp32 runs: TOLERANCE): the bf16 exactness contract."""
+    run_dtype = tensors[0].dtype
     with isolated():
-        res = []
-        for fn in (getattr(provider, op), getattr(reference, op)):
-            leaves = [t.clone().requires_grad_(i < n_grads) for i, t in enumerate(tensors)]
-            outs = fn(*leaves, *args)
-            outs = outs if isinstance(outs, tuple) else (outs,)
-            torch.autograd.backward(outs, [torch.ones_like(o) + o.detach() for o in outs])
-            res.append([o.detach() for o in outs] + [t.grad for t in leaves if t.requires_grad])
-    names = [f"output {i}" for i in range(len(res[0]) - n_grads)] + [f"input {i}'s gradient" for i in range(n_grads)]
-    bad = first_disagreement(zip(names, *res), TOLERANCE)
-    if bad is not None:
-        raise RuntimeError(f"fused {op} ({provider.name}) disagrees with the eager reference ({bad[0]}: relative error "
-                           f"{bad[1]:.2e}); set model.kernels=none (or another provider) and report this")
-    log.info("fused %s (%s) checked against the eager reference on %s (width %d; runs in %s)",
-             op, provider.name, device, width, dtype)
+        ref32 = _run(getattr(reference, op), tensors, args, n_grads, torch.float32, None)
+        eager = _run(getattr(reference, op), tensors, args, n_grads, None, ref32)
+        try:
+            got = _run(getattr(provider, op), tensors, args, n_grads, None, ref32)
+        except Exception as err:  # a kernel that cannot take this input must not be trusted with it
+            raise RuntimeError(f"fused {op} ({provider.name}) fails on the run's input ({describe(tensors[0])}: "
+                               f"{type(err).__name__}: {err}); set model.kernels=none (or another provider) and "
+                               "report this") from err
+    names = [f"output {i}" for i in range(len(ref32) - n_grads)] + [f"input {i}'s gradient" for i in range(n_grads)]
+    floor = TOLERANCE if run_dtype == torch.float32 else HALF_FLOOR
+    for name, g, e, r in zip(names, got, eager, ref32):
+        err, bound = relative_error(name, g, r), max(2 * relative_error(name, e, r), floor)
+        if not err <= bound:
+            raise RuntimeError(
+                f"fused {op} ({provider.name}) disagrees with the eager reference on the run's input "
+                f"({describe(tensors[0])}; {name}: relative error to fp32 {err:.2e}, the eager path's "
+                f"{relative_error(name, e, r):.2e}); set model.kernels=none (or another provider) and report this")
+    log.info("fused %s (%s) checked against the eager reference on the run's input (%s)", op, provider.name,
+             describe(tensors[0]))
+
+
+def _run(fn, tensors, args, n_grads, dtype, upstream_from):
+    """fn's outputs, then the gradients of its first n_grads inputs' storage, each input rebuilt with its own strides
+    and offset (in `dtype`, or its own when None). The upstream gradient is 1 + the fp32 reference's output, so every
+    run is differentiated against the same one."""
+    leaves, inputs = [], []
+    for i, t in enumerate(tensors):
+        base, view = same_layout(t, dtype if t.is_floating_point() else None)
+        if i < n_grads:  # differentiate the storage, so the gradient shows where the kernel wrote
+            base.requires_grad_()
+            view = relayout(base, t)
+        leaves.append(base)
+        inputs.append(view)
+    outs = fn(*inputs, *args)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    ups = upstream_from[:len(outs)] if upstream_from is not None else [o.detach() for o in outs]
+    torch.autograd.backward(outs, [(torch.ones_like(u) + u).to(o.dtype) for o, u in zip(outs, ups)])
+    return [o.detach() for o in outs] + [leaves[i].grad for i in range(n_grads)]

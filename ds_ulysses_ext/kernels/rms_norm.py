@@ -32,7 +32,7 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def rms_bwd(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_ptr, T, H, tiles, LLAMA: tl.constexpr,
+    def rms_bwd(dy_ptr, x_ptr, x_row_stride, w_ptr, rstd_ptr, dx_ptr, dw_ptr, T, H, tiles, LLAMA: tl.constexpr,
                 ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
         # this program's rows: `tiles` tiles of ROWS rows, one contiguous stretch
         pid = tl.program_id(0)
@@ -47,7 +47,7 @@ def _kernel():
             offs = rows[:, None] * H + cols[None, :]
             dy = tl.load(dy_ptr + offs, mask=mask, other=0.0)
             dy32 = dy.to(tl.float32)
-            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             rstd = tl.load(rstd_ptr + rows, mask=rmask, other=0.0)
             m = dy32 * w[None, :]
             dot = tl.sum(m * x, axis=1)
@@ -65,19 +65,35 @@ def _kernel():
 
 
 def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor, llama_order: bool):
-    """dx [T, H] in x's dtype, dw [H] in w's dtype, from dy, x [T, H] (contiguous), w [H] and Liger's rstd [T]."""
+    """dx [T, H] in x's dtype (contiguous), dw [H] in w's dtype, from dy, x [T, H], w [H] and Liger's rstd [T].
+
+    x may have any row stride: Liger's forward keeps the caller's rows as they lie (HF's MLA hands kv_a_layernorm a
+    slice of torch.split along the width, whose rows are further apart than H). Read as if contiguous, that slice
+    gave wrong dx and dw with a right forward, silently; the kernel now takes the row stride."""
     triton, kernel = _kernel()
     T, H = x.shape
-    dy = dy.contiguous()
-    dx = torch.empty_like(x)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    dy, w, rstd = dy.contiguous(), w.contiguous(), rstd.contiguous()
+    dx = torch.empty((T, H), dtype=x.dtype, device=x.device)
     block_h = triton.next_power_of_2(H)
     rows = max(1, min(64, TILE // block_h))
     tiles = triton.cdiv(triton.cdiv(T, rows), PROGRAMS)
     programs = triton.cdiv(T, rows * tiles)
     partial = torch.empty(programs, H, dtype=torch.float32, device=x.device)
-    kernel[(programs,)](dy, x, w, rstd, dx, partial, T, H, tiles, LLAMA=llama_order, ROWS=rows, BLOCK_H=block_h,
+    kernel[(programs,)](dy, x, x.stride(0), w, rstd, dx, partial, T, H, tiles, LLAMA=llama_order, ROWS=rows, BLOCK_H=block_h,
                         num_warps=8)
     return dx, partial.sum(0).to(w.dtype)
+
+
+def _rows_viewable(x: torch.Tensor) -> bool:
+    if x.stride(-1) != 1:
+        return False
+    try:
+        x.view(-1, x.shape[-1])
+    except RuntimeError:  # a slice along a middle dim of a batch: its rows have no single stride
+        return False
+    return True
 
 
 class RMSNorm(torch.autograd.Function):
@@ -87,6 +103,8 @@ class RMSNorm(torch.autograd.Function):
     def forward(ctx, x, w, eps: float, weight_in_fp32: bool):
         from liger_kernel.ops.rms_norm import rms_norm_forward
         mode = "gemma" if weight_in_fp32 else "llama"
+        if not _rows_viewable(x):  # Liger steps the width by 1 and views x as rows: other layouts are copied
+            x = x.contiguous()
         y, x_2d, rstd, *_ = rms_norm_forward(x, w, eps, 0.0, mode, None)
         ctx.save_for_backward(x_2d, w, rstd)
         ctx.llama_order, ctx.shape = not weight_in_fp32, x.shape

@@ -31,7 +31,7 @@ residual adds and RoPE save nothing large in the first place.
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -140,13 +140,14 @@ def _is_known_gated_mlp(module: torch.nn.Module) -> bool:
             and (forward.__module__, forward.__qualname__) == (cls.__module__, f"{cls.__qualname__}.forward"))
 
 
-def _selective_mlp_forward(mlp: torch.nn.Module) -> Callable:
-    """The HF gated MLP, down(act(gate(x)) * up(x)), with only act(.) * . under a checkpoint.
+def _selective_mlp_forward(mlp: torch.nn.Module, act_mul: Optional[Callable] = None) -> Callable:
+    """The HF gated MLP, down(act(gate(x)) * up(x)), with only act(.) * . under a checkpoint; `act_mul`: the fused
+    product kernels/bind.py bound in its place (the same function of gate and up).
 
     gate(x) and up(x) are matmul outputs and stay saved (they are the region's inputs); the
     [tokens, intermediate] act(gate) tensor that the product would save is rebuilt in backward.
     """
-    act_mul = checkpointed(lambda gate, up: mlp.act_fn(gate) * up)
+    act_mul = checkpointed(act_mul or (lambda gate, up: mlp.act_fn(gate) * up))
 
     def forward(x):
         return mlp.down_proj(act_mul(mlp.gate_proj(x), mlp.up_proj(x)))
@@ -177,11 +178,15 @@ class SelectiveRecompute(MemoryPolicy):
             mlp = getattr(layer, "mlp", None)
             if mlp is None or not _looks_gated(mlp):
                 continue
-            if "forward" in mlp.__dict__:
+            bound = getattr(mlp.__dict__.get("forward"), "act_mul", None)  # the fused kernels' MLP (kernels/bind.py)
+            if "forward" in mlp.__dict__ and bound is None:
                 # our MLP forward calls the projections directly and would bypass the patch silently
                 raise RuntimeError("SelectiveRecompute must be applied before any policy that patches "
                                    "mlp.forward (TiledMLP); apply_memory_policies uses that order")
-            if _is_known_gated_mlp(mlp):
+            if bound is not None:
+                self._wrap_forward(mlp, lambda _current, mlp=mlp, bound=bound: _selective_mlp_forward(mlp, bound))
+                self.num_mlps += 1
+            elif _is_known_gated_mlp(mlp):
                 self._wrap_forward(mlp, lambda _current, mlp=mlp: _selective_mlp_forward(mlp))
                 self.num_mlps += 1
             else:

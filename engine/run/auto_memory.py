@@ -52,10 +52,11 @@ class Candidate:
     fits_gpu: bool
     fits_host: bool
     measured: bool = True  # False: a preset no GPU has run yet, listed but never chosen
+    refused: str = ""  # what validate says of this run with the preset (a 2-layer model and a 4-layer block): never chosen
 
     @property
     def fits(self) -> bool:
-        return self.fits_gpu and self.fits_host and self.measured
+        return self.fits_gpu and self.fits_host and self.measured and not self.refused
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,8 @@ class MemoryPlan:
         lines = [head]
         for c in sorted(self.candidates, key=lambda c: c.prediction.step_s):
             p = c.prediction
-            why = ("yes" if c.fits else "no: GPU" if not c.fits_gpu else "no: host" if not c.fits_host
+            why = ("yes" if c.fits else f"no: refused ({_first_sentence(c.refused)})" if c.refused
+                   else "no: GPU" if not c.fits_gpu else "no: host" if not c.fits_host
                    else "not chosen: not run on a GPU yet")
             mark = "  <- chosen" if c.name == self.choice else ""
             lines.append(f"{c.name:<32}{p.peak_gib:>10.1f}{p.host_gib:>10.1f}{p.step_s:>10.3g}"
@@ -137,11 +139,30 @@ def lean_moe(cfg: TrainConfig, on_gpu: bool) -> bool:
 
 
 def _candidate(name: str, fields: dict, shape: ModelShape, run: RunShape, coef: dict, gpu_gib: float,
-               host_gib: float) -> Candidate:
+               host_gib: float, refused: str = "") -> Candidate:
     p = predict(shape, run, Policy.of(fields), coef)
     return Candidate(name, p, fits_gpu=p.peak_gib <= FIT_FRACTION * gpu_gib,
                      fits_host=p.host_gib * run.ranks_per_node <= FIT_FRACTION * host_gib,
-                     measured=name not in NOT_YET_MEASURED)
+                     measured=name not in NOT_YET_MEASURED, refused=refused)
+
+
+def refusals(cfg: TrainConfig, world_size: int) -> dict:
+    """preset -> validate's message for this run with that preset ("" where it passes). The cost model can predict a
+    preset that the run would refuse (block recompute of more layers than the model has), and auto must never choose
+    what the run then stops on."""
+    from configs.validate import validate
+    out = {}
+    for name in preset_fields():
+        try:
+            validate(chosen_config(cfg, name), world_size)
+            out[name] = ""
+        except ConfigError as err:
+            out[name] = str(err)
+    return out
+
+
+def _first_sentence(message: str) -> str:
+    return message.split("; ")[0].split("\n")[0][:100]
 
 
 def _choose(fitting: list) -> Optional[str]:
@@ -161,7 +182,9 @@ def plan_memory(cfg: TrainConfig, world_size: int, gpu_gib: float, host_gib: flo
     """Every candidate preset predicted for this run; the choice is the fastest that fits (None: none fits)."""
     shape, run = model_shape(cfg), run_shape(cfg, world_size, ranks_per_node, on_gpu)
     coef = load_calibration()["coefficients"]
-    cands = tuple(_candidate(n, f, shape, run, coef, gpu_gib, host_gib) for n, f in preset_fields().items())
+    refused = refusals(cfg, world_size)
+    cands = tuple(_candidate(n, f, shape, run, coef, gpu_gib, host_gib, refused[n])
+                  for n, f in preset_fields().items())
     choice = _choose([c for c in cands if c.fits])
     return MemoryPlan(cands, choice, gpu_gib, host_gib, run)
 
@@ -173,10 +196,11 @@ def longest_fitting(cfg: TrainConfig, world_size: int, gpu_gib: float, host_gib:
     shape, coef = model_shape(cfg), load_calibration()["coefficients"]
     unit = 1024 * cfg.parallelism.cp
     best, best_name = 0, None
+    refused = refusals(cfg, world_size)
     for name, fields in preset_fields().items():
         def fits(k: int) -> bool:
             run = run_shape(cfg, world_size, ranks_per_node, on_gpu, seq_len=k * unit)
-            return _candidate(name, fields, shape, run, coef, gpu_gib, host_gib).fits
+            return _candidate(name, fields, shape, run, coef, gpu_gib, host_gib, refused[name]).fits
         lo, hi = 0, max(cfg.data.seq_len // unit, 1)
         while lo < hi:  # largest k with fits(k); peaks grow with the length
             mid = (lo + hi + 1) // 2
