@@ -69,6 +69,13 @@ CONDITIONAL: dict[str, Rule] = {
                                      "memory.recompute=except_attention"),
     "memory.auto_gpu_gib": Rule(lambda c: c.memory.auto, "memory=auto (memory.auto=true)"),
     "memory.auto_host_gib": Rule(lambda c: c.memory.auto, "memory=auto (memory.auto=true)"),
+    # the loss head: with trainer.fused_loss=false the head is loss.py's unfused one whatever model.loss_head says,
+    # and Liger's fused head chunks the tokens itself (trainer.loss_chunk_size is loss.py's)
+    "model.loss_head": Rule(lambda c: c.trainer.fused_loss, "trainer.fused_loss=true"),
+    "trainer.loss_chunk_size": Rule(lambda c: not (c.trainer.fused_loss and c.model.loss_head == "liger"),
+                                    "model.loss_head=auto or ours, or trainer.fused_loss=false"),
+    # the projection groups are bound with the fused kernels (kernels/bind.py); model.kernels=none binds nothing
+    "model.projection_groups": Rule(lambda c: c.model.kernels != "none", "model.kernels=auto, liger or compile"),
     "deepspeed.stage3_param_persistence_threshold": Rule(lambda c: c.deepspeed.zero_stage == 3,
                                                          "deepspeed.zero_stage=3", warn=True),
     "deepspeed.stage3_prefetch_bucket_size": Rule(lambda c: c.deepspeed.zero_stage == 3, "deepspeed.zero_stage=3",
@@ -94,7 +101,6 @@ UNCONDITIONAL = (
     # model.arch: the whole shape under source=config; under pretrained the checkpoint's config.json is the truth
     # and arch only repeats its counts for the checks before the load
     "model.name", "model.family", "model.source", "model.arch", "model.attn_backend", "model.kernels",
-    "model.loss_head", "model.projection_groups",
     "data.source", "data.seq_len", "data.eval_samples", "data.eval_path", "data.padding_side", "data.pack",
     "parallelism.cp", "parallelism.ring", "parallelism.ep", "parallelism.tp",
     "deepspeed.zero_stage", "deepspeed.offload_optimizer", "deepspeed.offload_param", "deepspeed.master_weights",
@@ -102,7 +108,7 @@ UNCONDITIONAL = (
     "trainer.warmup_steps", "trainer.weight_decay", "trainer.adam_beta1", "trainer.adam_beta2", "trainer.adam_eps",
     "trainer.grad_clip", "trainer.on_nonfinite", "trainer.gc_every", "trainer.eval_every", "trainer.save_every",
     "trainer.save_every_minutes", "trainer.save_at_end", "trainer.resume", "trainer.max_minutes",
-    "trainer.stop_after_steps", "trainer.export_hf", "trainer.loss_chunk_size", "trainer.fused_loss",
+    "trainer.stop_after_steps", "trainer.export_hf", "trainer.fused_loss",
     "trainer.optimizer_in_backward",
     "memory.recompute", "memory.offload_activations", "memory.tiled_mlp", "memory.auto",
     "memory.expandable_segments",  # the CUDA allocator's; a CPU run has none to configure, and nothing changes

@@ -100,7 +100,14 @@
 #                trainer.max_minutes, each reading the previous stage's export; $PK_ARGS: more overrides for every
 #                stage. Each stage's metrics.jsonl, retrieval.json and .png go to $OUT as one tar (fewer files);
 #                a stage that fails stops the chain (the next would read a missing or an earlier call's export)
-#   gpu_tests    the suite's GPU-only tests (skipped on CPU): tests/test_gpu_paths.py (the fused ring kernel, the
+#   gpu_matrix   the GPU exactness matrix (scripts/gpu_matrix.py): every family at a small shape with its real head dims,
+#                each model.kernels, every preset memory=auto can choose, zero0 / zero3, the optimizer step in backward,
+#                packed documents, against the fp32 eager unsplit model; $OUT/gpu_matrix.jsonl; $MATRIX_ARGS: more
+#                arguments (--families, --only, --reinstate-contiguity-bug for the self-check). docs/gpu_matrix.md
+#   auto_memory  memory=auto through scripts/train.py: the Llama-3.2-1B shape at $AUTO_POINTS (default 16k-128k) and the
+#                4-layer Qwen3-30B-A3B shape at $AUTO_MOE_POINTS (default 16k, 32k), 3 steps each, with the choice logged
+#   gpu_tests    the suite's GPU-only tests (skipped on CPU): tests/test_gpu_exactness.py (the MLA RMSNorm slice, selective
+#                recompute with the default kernels), tests/test_gpu_paths.py (the fused ring kernel, the
 #                packed and sink SDPA paths, bf16 against exact references), tests/test_gpu_loss_head.py, tests/test_gpu_offload.py
 #                (the host link: settled reloads, reserved memory), GPT-OSS's grouped_mm experts and
 #                deepspeed=zero0's optimizer on CUDA (ClippingAdamW and its Triton AdamW step against torch's fused one);
@@ -242,11 +249,18 @@ for name, a in zip(('liger', 'control'), runs):
                # a warm machine, from an earlier call's
                [ $rc -eq 0 ] || { echo "passkey: $name failed (rc=$rc, $OUT/$name.log); later stages not run"; break; }
              done ;;
-    gpu_tests) { python3 -m pytest -q -rs -p no:cacheprovider tests/test_gpu_paths.py tests/test_gpu_loss_head.py \
+    gpu_tests) { python3 -m pytest -q -rs -p no:cacheprovider tests/test_gpu_exactness.py tests/test_gpu_paths.py tests/test_gpu_loss_head.py \
                    tests/test_gpu_moe_kernels.py tests/test_gpu_projections.py tests/test_gpu_offload.py
                  python3 -m pytest -q -rs -p no:cacheprovider tests/test_moe_gpt_oss.py -k grouped
                  python3 -m pytest -q -rs -p no:cacheprovider tests/test_zero0.py -k "triton or cuda or in_backward and not follows"; } 2>&1 \
                  | tee "$OUT/gpu_tests.txt" | tail -30 ;;
+    gpu_matrix) python3 scripts/gpu_matrix.py --out "$OUT/gpu_matrix.jsonl" ${MATRIX_ARGS:-} 2>&1 | grep -E '^\{|gpu_matrix' \
+                  | cut -c1-400 ;;
+    auto_memory) python3 scripts/bench_train.py --points ${AUTO_POINTS:-16384:auto,32768:auto,65536:auto,131072:auto} \
+                   --steps 3 ${EXTRA:-} | grep RESULT | cut -c1-700
+                 python3 scripts/bench_train.py --model qwen3_30b_a3b_4l --points ${AUTO_MOE_POINTS:-16384:auto,32768:auto} \
+                   --steps 3 moe.dispatcher=alltoall ${EXTRA:-} | grep RESULT | cut -c1-700
+                 ;;
     *) echo "unknown part $part" ;;
   esac
 done

@@ -47,6 +47,9 @@ def run_ours(S, memory, args, out_root):
                overrides=args.extra, wall_s=time.time() - t0, rc=p.returncode)
     metrics = out / "metrics.jsonl"
     rows = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
+    chose = [line.split(": ", 1)[-1] for line in (p.stdout + p.stderr).splitlines() if "memory=auto chose" in line]
+    if chose:  # memory=auto: the preset and the step it predicted, beside the step measured
+        res["auto_choice"] = chose[-1]
     if p.returncode != 0 or not rows:
         res["error"] = (p.stdout[-1500:] + p.stderr[-2500:])
         return res

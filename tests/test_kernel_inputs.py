@@ -123,3 +123,15 @@ def test_selective_recompute_takes_the_bound_mlp():
     assert torch.allclose(loss, ref_loss, rtol=1e-5, atol=0)
     for name, g in grads.items():
         assert ((g - ref_grads[name]).norm() / ref_grads[name].norm()).item() < 1e-5, name
+
+
+def test_kernels_asked_for_by_name_on_cpu_say_what_runs_instead(caplog):
+    import logging
+
+    from tiny_models import tiny_model
+    with caplog.at_level(logging.WARNING):
+        report = apply_fused_kernels(tiny_model("llama", num_hidden_layers=1), "liger", torch.device("cpu"),
+                                     loss_head="liger")
+    assert report.provider == "none" and report.head is None
+    assert "HF's eager modules and loss.py's head run instead" in caplog.text
+

@@ -66,6 +66,10 @@ def apply_fused_kernels(model: torch.nn.Module, mode: str, device: torch.device,
     provider = provider or provider_for(mode, device)
     report = KernelReport()
     if provider is None:
+        if mode in ("liger", "compile") or loss_head == "liger":  # asked for by name: say what runs instead
+            log.warning("model.kernels=%s, model.loss_head=%s: the fused kernels run on CUDA only, and this run is on "
+                        "%s: HF's eager modules and loss.py's head run instead (the reference path)", mode, loss_head,
+                        device.type)
         return report
     report.provider = provider.name
     if loss_head == "liger":

@@ -1,0 +1,263 @@
+#!/usr/bin/env python3
+"""The GPU exactness matrix: every fast path against the fp32 eager unsplit model, on the inputs real models feed it.
+
+    python3 scripts/gpu_matrix.py --out outputs/gpu_matrix.jsonl            # on one GPU (bench_gpu.sh gpu_matrix)
+    python3 scripts/gpu_matrix.py --device cpu --quick                      # the harness itself, on CPU (a test)
+
+Each family is built at a small shape with its real head dims (2 layers, few experts) through the engine's own build
+(engine/ds/build.py: kernels, memory policies, MoE layer, DeepSpeed) and takes one forward and backward of a fixed
+batch of SEQ tokens with some labels masked (and, for `packed` cells, documents whose positions restart at 0).
+
+    reference  precision=fp32, model.kernels=none, memory=none, deepspeed=zero0: the unsplit model, eager, fp32
+    eager      precision=bf16, model.kernels=none, memory=none, deepspeed=zero0: the plain bf16 path
+    cell       precision=bf16 and the cell's kernels / memory preset / deepspeed / options
+
+A cell passes when its loss and every parameter's gradient are no further from the reference (relative, in the norm)
+than BOUND x the eager path's own error on the same parameter, or FLOOR where the eager error is below it (docs/design.md
+§3.1). `optimizer_in_backward` frees the gradients it steps with: that cell compares the weights after one step with
+the zero0 cell's after its step (the same updates, UPDATE_TOL relative in the update). The table (docs/gpu_matrix.md)
+gives each cell's worst ratio and the parameter it sits in.
+
+--reinstate-contiguity-bug: the self-check. The RMSNorm backward reads its input as if contiguous again (the defect
+of 2026-12-03: MLA's kv_a_layernorm takes a slice of torch.split) and the first-use check is bypassed; the MLA cells
+must then fail.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+BOUND, FLOOR, UPDATE_TOL = 2.0, 2e-3, 2e-2
+SEQ = 4096
+COMMON = ["data=synthetic", "parallelism.cp=1", "trainer.global_batch_size=1", "trainer.micro_batch_size=1",
+          "trainer.grad_clip=0", "model.attn_backend=sdpa", "trainer.warmup_steps=0"]
+# family: (model preset, arch overrides): 2 layers, few experts, the real head dims
+FAMILIES = {
+    "llama_d64": ("llama3_2_1b", dict(num_hidden_layers=2)),
+    "llama_d128": ("llama3_1_8b_shape", dict(num_hidden_layers=2, intermediate_size=8192)),
+    "qwen3_d128": ("tiny_qwen3", dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=2,
+                                      num_attention_heads=32, num_key_value_heads=8, head_dim=128)),
+    "qwen3_moe": ("qwen3_30b_a3b_4l", dict(num_hidden_layers=2, num_experts=16)),
+    "gpt_oss": ("tiny_gpt_oss", dict(vocab_size=32000, hidden_size=2880, intermediate_size=2880, num_local_experts=8,
+                                     num_experts_per_tok=4, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                                     sliding_window=128)),
+    "deepseek_v3_mla": ("deepseek_v3_2l", dict(vocab_size=32000, hidden_size=2048, intermediate_size=4096,
+                                               moe_intermediate_size=512, n_routed_experts=16, n_group=1, topk_group=1,
+                                               num_attention_heads=16, num_key_value_heads=16, q_lora_rank=768)),
+    "glm4_moe_lite_mla": ("glm4_moe_lite_4l", dict(num_hidden_layers=2, mlp_layer_types=["dense", "sparse"],
+                                                   n_routed_experts=16)),
+    "glm4_moe": ("glm4_5_air_4l", dict(num_hidden_layers=2, hidden_size=2048, num_attention_heads=16,
+                                       num_key_value_heads=4, n_routed_experts=16)),
+    "latent_moe": ("tiny_latent_moe", dict(vocab_size=32000, hidden_size=2048, num_attention_heads=16,
+                                           num_key_value_heads=4, head_dim=128, num_experts=16, moe_intermediate_size=256)),
+}
+QUICK = {  # --quick (CPU): the harness on tiny shapes
+    "llama_d64": ("tiny", {}), "deepseek_v3_mla": ("tiny_deepseek_v3", {}), "qwen3_moe": ("tiny_moe", {}),
+}
+# every preset memory=auto can choose (hydra_conf/memory, less auto and budget)
+MEMORY = ("selective", "selective_tiled", "tiled", "except_attention", "except_attention_offload",
+          "except_attention_offload_tiled", "block_recompute", "full_recompute", "offload", "except_attention_tiled",
+          "long_context", "selective_block")
+
+
+def cells(families, quick: bool):
+    """(family, name, overrides, packed) of every cell."""
+    out = []
+    for fam in families:
+        for k in ("liger", "compile", "none"):
+            out.append((fam, f"kernels={k}", [f"model.kernels={k}"], False))
+        out.append((fam, "kernels=liger zero3", ["model.kernels=liger", "deepspeed=zero3"], False))
+        out.append((fam, "packed", ["model.kernels=liger"], True))
+    memory_families = [f for f in ("llama_d64", "qwen3_moe", "deepseek_v3_mla", "gpt_oss") if f in families]
+    for fam in memory_families:
+        for m in (MEMORY[:3] if quick else MEMORY):
+            out.append((fam, f"memory={m}", [f"memory={m}"], False))
+    for fam in [f for f in ("qwen3_moe", "deepseek_v3_mla") if f in families]:
+        out.append((fam, "moe.recompute=experts", ["moe.recompute=experts"], False))
+        out.append((fam, "moe.recompute=experts offload_inputs", ["moe.recompute=experts", "moe.offload_inputs=true"],
+                    False))
+    for fam in [f for f in ("llama_d64", "qwen3_moe") if f in families]:
+        out.append((fam, "optimizer_in_backward", ["trainer.optimizer_in_backward=true"], False))
+        out.append((fam, "packed except_attention_offload", ["memory=except_attention_offload"], True))
+    return out
+
+
+def compose(fam_spec, precision: str, overrides, device: str):
+    from configs import compose_config
+    preset, arch = fam_spec
+    over = [f"model={preset}", f"precision={precision}", f"device={device}", f"data.seq_len={SEQ}"] + COMMON
+    if precision == "bf16":
+        over += ["deepspeed.master_weights=bf16"]
+    if not any(o.startswith("deepspeed=") for o in overrides):
+        over.append("deepspeed=zero0")
+    over += [f"model.arch.{k}={json.dumps(v)}" for k, v in arch.items()] + list(overrides)
+    return compose_config(over)
+
+
+def batch(vocab: int, packed: bool, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (1, SEQ), generator=g)
+    labels = ids.clone()
+    labels[torch.rand(1, SEQ, generator=g) < 0.1] = -100
+    out = {"input_ids": ids, "labels": labels}
+    if packed:  # documents of uneven lengths, positions restarting at 0 (HF's DataCollatorWithFlattening)
+        starts = sorted({0, *torch.randint(1, SEQ, (5,), generator=g).tolist()})
+        pos = torch.zeros(SEQ, dtype=torch.long)
+        for a, b in zip(starts, starts[1:] + [SEQ]):
+            pos[a:b] = torch.arange(b - a)
+        out["position_ids"] = pos[None]
+    return out
+
+
+def run_cell(cfg, data: dict, device, step: bool = False):
+    """(loss, {name: fp32 gradient} or None, {name: fp32 weight after one step} or None) of one forward + backward."""
+    from configs import validate
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
+
+    from ds_ulysses_ext import init_topology, shard_batch
+    from ds_ulysses_ext.memory import remove_all
+    from engine.ds.build import build
+    plan = validate(cfg, 1)
+    topo = init_topology(1)
+    if cfg.memory.auto:
+        raise ValueError("the matrix names its presets")
+    engine, hf, scale = build(cfg, plan, topo, device)
+    try:
+        shard = {k: v.to(device) for k, v in shard_batch(data, topo).items()}
+        loss_sum, count = engine(**shard)
+        engine.backward(loss_sum * (scale / count), scale_wrt_gas=False)
+        loss = float(loss_sum.detach().double() / count)
+        grads = None
+        if not cfg.trainer.optimizer_in_backward:
+            grads = {}
+            for n, p in engine.module.named_parameters():
+                g = safe_get_full_grad(p)
+                g = g if g is not None else p.grad
+                if g is not None:
+                    grads[n] = g.detach().float().cpu()
+        weights = None
+        if step:
+            engine.step()
+            weights = {n: (safe_get_full_fp32_param(p) if hasattr(p, "ds_id") else p).detach().float().cpu()
+                       for n, p in engine.module.named_parameters()}
+        return loss, grads, weights
+    finally:
+        remove_all(getattr(engine, "memory_policies", []) or [])
+        engine.destroy()
+        del engine, hf
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def judge(cell_loss, cell_grads, ref, eager) -> dict:
+    """The cell's worst ratio to the eager error (loss and every gradient), and where it sits."""
+    ref_loss, ref_grads = ref
+    eager_loss, eager_grads = eager
+    rows = [("loss", abs(cell_loss - ref_loss) / abs(ref_loss), abs(eager_loss - ref_loss) / abs(ref_loss))]
+    missing = sorted(set(ref_grads) - set(cell_grads))
+    for n, r in ref_grads.items():
+        if n in cell_grads:
+            rows.append((n, rel(cell_grads[n], r), rel(eager_grads[n], r)))
+    worst = max(rows, key=lambda t: t[1] / max(t[2], FLOOR / BOUND))
+    ok = not missing and all(err <= max(BOUND * e, FLOOR) for _, err, e in rows)
+    return dict(ok=ok, worst_param=worst[0], worst_err=worst[1], eager_err=worst[2],
+                ratio=worst[1] / max(worst[2], FLOOR / BOUND), missing=missing[:3])
+
+
+def reinstate_contiguity_bug() -> None:
+    """The self-check: the RMSNorm backward misreads a strided x as contiguous, and no first-use check stops it."""
+    from ds_ulysses_ext.kernels import providers, rms_norm
+    original = rms_norm.rms_norm_backward
+
+    def misreading(dy, x, w, rstd, llama_order):
+        return original(dy, x.as_strided(x.shape, (x.shape[1], 1), x.storage_offset()), w, rstd, llama_order)
+    rms_norm.rms_norm_backward = misreading
+    providers.Checked._first_use = lambda *a, **k: None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--families", default=",".join(FAMILIES))
+    ap.add_argument("--only", default="", help="comma-separated substrings: run only cells whose name has one")
+    ap.add_argument("--quick", action="store_true", help="tiny shapes and a few cells (the CPU test)")
+    ap.add_argument("--reinstate-contiguity-bug", action="store_true")
+    ap.add_argument("--out", default=str(ROOT / "outputs" / "gpu_matrix.jsonl"))
+    args = ap.parse_args()
+    global SEQ
+    if args.quick:
+        SEQ = 64
+    if args.reinstate_contiguity_bug:
+        reinstate_contiguity_bug()
+    specs = QUICK if args.quick else FAMILIES
+    families = [f for f in args.families.split(",") if f in specs]
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    from engine.ds.distributed import init_distributed, read_runtime
+    rt = read_runtime(args.device)
+    init_distributed(rt)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    failed = 0
+    only = [s for s in args.only.split(",") if s]
+    todo = [c for c in cells(families, args.quick) if not only or any(s in c[1] for s in only)]
+    refs = {}
+    with out.open("a") as f:
+        for fam, name, overrides, packed in todo:
+            t0 = time.time()
+            key = (fam, packed)
+            if key not in refs:  # the fp32 reference and the eager bf16 path, once per family and batch
+                cfg = compose(specs[fam], "fp32", ["model.kernels=none", "memory=none"], args.device)
+                data = batch(cfg.model.arch["vocab_size"], packed)
+                ref = run_cell(cfg, data, rt.device)[:2]
+                eager = run_cell(compose(specs[fam], "bf16", ["model.kernels=none", "memory=none"], args.device),
+                                 data, rt.device)[:2]
+                refs[key] = (data, ref, eager)
+            data, ref, eager = refs[key]
+            row = dict(family=fam, cell=name, packed=packed, seq=SEQ, overrides=overrides,
+                       self_check=args.reinstate_contiguity_bug)
+            try:
+                cfg = compose(specs[fam], "bf16", overrides, args.device)
+                if cfg.trainer.optimizer_in_backward:
+                    base = [o for o in overrides if "optimizer_in_backward" not in o]
+                    _, _, w0 = run_cell(compose(specs[fam], "bf16", base, args.device), data, rt.device, step=True)
+                    _, _, w1 = run_cell(cfg, data, rt.device, step=True)
+                    worst = max(((n, rel(w1[n], w0[n])) for n in w0), key=lambda t: t[1])
+                    row.update(ok=worst[1] <= UPDATE_TOL, worst_param=worst[0], worst_err=worst[1],
+                               compared_with="zero0 weights after one step")
+                else:
+                    loss, grads, _ = run_cell(cfg, data, rt.device)
+                    row.update(judge(loss, grads, ref, eager))
+            except Exception as err:  # a refusal before the build is a result too: it names the fix
+                from configs.errors import ConfigError
+                from ds_ulysses_ext.errors import UnsupportedError
+                refused = isinstance(err, (ConfigError, UnsupportedError))
+                row.update(ok=refused, refused=refused, error=f"{type(err).__name__}: {str(err)[:300]}")
+            row["seconds"] = round(time.time() - t0, 1)
+            failed += not row["ok"]
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            print(json.dumps(row), flush=True)
+    print(f"gpu_matrix: {len(todo) - failed} of {len(todo)} cells within bounds", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
