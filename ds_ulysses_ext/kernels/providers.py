@@ -90,6 +90,10 @@ class CompileProvider(Provider):
     name = "compile"
 
     def __init__(self):
+        # one graph per (shape, dtype, layout): the first-use checks (Checked) add their cut of each input's shape to the
+        # run's own, and Qwen3's hidden, q and k norms with their checks passed dynamo's default of 8 (a hard failure
+        # under fullgraph, seen on an H200)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self._norm = torch.compile(reference.rms_norm, dynamic=False, fullgraph=True)
         self._silu_mul = torch.compile(reference.silu_mul, dynamic=False, fullgraph=True)
         self._rope = torch.compile(reference.rope, dynamic=False, fullgraph=True)
