@@ -223,17 +223,17 @@ def main() -> int:
         for fam, name, overrides, packed in todo:
             t0 = time.time()
             key = (fam, packed)
-            if key not in refs:  # the fp32 reference and the eager bf16 path, once per family and batch
-                cfg = compose(specs[fam], "fp32", ["model.kernels=none", "memory=none"], args.device)
-                data = batch(cfg.model.arch["vocab_size"], packed)
-                ref = run_cell(cfg, data, rt.device)[:2]
-                eager = run_cell(compose(specs[fam], "bf16", ["model.kernels=none", "memory=none"], args.device),
-                                 data, rt.device)[:2]
-                refs[key] = (data, ref, eager)
-            data, ref, eager = refs[key]
             row = dict(family=fam, cell=name, packed=packed, seq=SEQ, overrides=overrides,
                        self_check=args.reinstate_contiguity_bug)
             try:
+                if key not in refs:  # the fp32 reference and the eager bf16 path, once per family and batch
+                    cfg = compose(specs[fam], "fp32", ["model.kernels=none", "memory=none"], args.device)
+                    data = batch(cfg.model.arch["vocab_size"], packed)
+                    ref = run_cell(cfg, data, rt.device)[:2]
+                    eager = run_cell(compose(specs[fam], "bf16", ["model.kernels=none", "memory=none"], args.device),
+                                     data, rt.device)[:2]
+                    refs[key] = (data, ref, eager)
+                data, ref, eager = refs[key]
                 cfg = compose(specs[fam], "bf16", overrides, args.device)
                 if cfg.trainer.optimizer_in_backward:
                     base = [o for o in overrides if "optimizer_in_backward" not in o]
