@@ -191,7 +191,32 @@ def reinstate_contiguity_bug() -> None:
     providers.Checked._first_use = lambda *a, **k: None
 
 
+def table(paths) -> str:
+    """The docs' markdown table of result files (a later row of the same cell replaces an earlier one)."""
+    cells_seen = {}
+    for path in paths:
+        for line in Path(path).read_text().splitlines():
+            r = json.loads(line)
+            cells_seen[(r["family"], r["cell"])] = r
+    out = ["| family | cell | verdict | worst error (relative) | eager bf16's there | ratio | where |", "|---|---|---|---|---|---|---|"]
+    for (fam, cell), r in cells_seen.items():
+        if r.get("refused"):
+            out.append(f"| {fam} | {cell} | refused before the build | | | | {r['error'][:110]} |")
+        elif "error" in r:
+            out.append(f"| {fam} | {cell} | **fails** | | | | {r['error'][:110]} |")
+        elif "compared_with" in r:
+            out.append(f"| {fam} | {cell} | {'ok' if r['ok'] else '**fails**'} | {r['worst_err']:.2e} | | | "
+                       f"{r['worst_param']} ({r['compared_with']}) |")
+        else:
+            out.append(f"| {fam} | {cell} | {'ok' if r['ok'] else '**fails**'} | {r['worst_err']:.2e} | "
+                       f"{r['eager_err']:.2e} | {r['ratio']:.2f} | {r['worst_param']} |")
+    return "\n".join(out)
+
+
 def main() -> int:
+    if sys.argv[1:2] == ["--table"]:
+        print(table(sys.argv[2:]))
+        return 0
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--families", default=",".join(FAMILIES))

@@ -1,0 +1,45 @@
+"""scripts/gpu_matrix.py's harness on CPU: its cells build and compare (on CPU every cell is the eager path, so each
+must match it), and its verdict fails a cell whose gradient is further from fp32 than twice eager bf16's. The GPU
+results: docs/gpu_matrix.md."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import gpu_matrix  # noqa: E402
+
+
+def test_the_matrix_runs_its_cells_on_cpu(tmp_path):
+    out = tmp_path / "m.jsonl"
+    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_PORT="29731")
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_matrix.py"), "--device", "cpu", "--quick",
+                        "--families", "llama_d64,deepseek_v3_mla", "--only", "kernels=liger,optimizer_in_backward",
+                        "--out", str(out)], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert {(r["family"], r["cell"]) for r in rows} >= {("llama_d64", "kernels=liger zero3"),
+                                                       ("deepseek_v3_mla", "kernels=liger"),
+                                                       ("llama_d64", "optimizer_in_backward")}
+    assert all(r["ok"] and not r.get("error") for r in rows), rows
+    in_bwd = next(r for r in rows if r["cell"] == "optimizer_in_backward")
+    assert in_bwd["worst_err"] <= gpu_matrix.UPDATE_TOL
+
+
+def test_the_verdict_fails_a_gradient_twice_as_far_as_eager():
+    g = torch.Generator().manual_seed(0)
+    ref = {"a": torch.randn(100, generator=g), "b": torch.randn(100, generator=g)}
+    noise = {n: torch.randn(100, generator=g) for n in ref}
+    eager = {n: ref[n] + 0.01 * noise[n] * ref[n].norm() / noise[n].norm() for n in ref}  # 1% off each
+    close = {n: ref[n] + 0.015 * noise[n] * ref[n].norm() / noise[n].norm() for n in ref}
+    far = dict(close, b=ref["b"] + 0.03 * noise["b"] * ref["b"].norm() / noise["b"].norm())
+    verdict = gpu_matrix.judge(1.0, close, (1.0, ref), (1.0, eager))
+    assert verdict["ok"] and 1.4 < verdict["ratio"] < 1.6
+    verdict = gpu_matrix.judge(1.0, far, (1.0, ref), (1.0, eager))
+    assert not verdict["ok"] and verdict["worst_param"] == "b" and 2.9 < verdict["ratio"] < 3.1
+    assert not gpu_matrix.judge(1.0, {"a": close["a"]}, (1.0, ref), (1.0, eager))["ok"]  # a gradient missing
