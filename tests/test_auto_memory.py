@@ -259,3 +259,19 @@ def test_auto_never_chooses_a_preset_the_run_would_refuse():
     assert "no: refused (memory.recompute=block" in plan.table()
     for name in (c.name for c in plan.candidates if c.fits):  # whatever can be chosen, the run accepts
         validate(auto_memory.chosen_config(cfg, name), 1)
+
+
+REAL_SHAPES = sorted(p.stem for p in (ROOT / "hydra_conf" / "model").glob("*.yaml")
+                     if not p.stem.startswith("tiny") and "source: config" in p.read_text())
+
+
+@pytest.mark.parametrize("model", REAL_SHAPES)
+def test_auto_chooses_only_presets_the_run_accepts_on_every_real_shape(model):
+    """Every real-shape preset at 128k on one GPU of 140 GiB and 1M at cp=8 over 8: whatever auto chooses, the
+    run's own validate accepts."""
+    for cp, seq_len in ((1, 131072), (8, 1048576)):
+        cfg = compose_config([f"model={model}", "data=synthetic", "precision=bf16", f"parallelism.cp={cp}",
+                              "device=cuda", f"data.seq_len={seq_len}"])
+        plan = plan_memory(cfg, cp, 140.0, 2000.0, ranks_per_node=cp)
+        if plan.choice is not None:
+            validate(auto_memory.chosen_config(cfg, plan.choice), cp)
