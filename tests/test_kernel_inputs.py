@@ -135,3 +135,29 @@ def test_kernels_asked_for_by_name_on_cpu_say_what_runs_instead(caplog):
     assert report.provider == "none" and report.head is None
     assert "HF's eager modules and loss.py's head run instead" in caplog.text
 
+
+
+def test_a_module_shaped_like_an_rms_norm_that_computes_something_else_stays_eager():
+    """A mean-centred LayerNorm with `weight` and `variance_epsilon` (Cohere's) and a gated norm taking a second
+    argument (Qwen3.5's linear layers' output norm) look like RMSNorms; binding either as one changes the model. Each
+    class is checked against its own forward before it is bound."""
+    class MeanCentred(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight, self.variance_epsilon = torch.nn.Parameter(torch.ones(16)), 1e-5
+
+        def forward(self, x):
+            x = x - x.mean(-1, keepdim=True)
+            return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+
+    class Gated(MeanCentred):
+        def forward(self, x, gate):
+            return reference.rms_norm(x, self.weight, self.variance_epsilon, False) * gate
+
+    class Plain(MeanCentred):
+        def forward(self, x):
+            return reference.rms_norm(x, self.weight, self.variance_epsilon, False)
+    model = torch.nn.ModuleDict(dict(a=MeanCentred(), b=Gated(), c=Plain()))
+    report = apply_fused_kernels(model, "auto", torch.device("cpu"), provider=Provider(), projections=False)
+    assert report.norms == 1 and report.skipped_norms == ["MeanCentred"]
+    assert "forward" in model["c"].__dict__ and "forward" not in model["a"].__dict__ and "forward" not in model["b"].__dict__

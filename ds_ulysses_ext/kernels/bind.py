@@ -20,6 +20,7 @@ Anything else keeps its eager forward; the report counts both, and the run logs 
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import types
 from dataclasses import dataclass, field
@@ -44,6 +45,7 @@ class KernelReport:
     ropes: int = 0
     projection_groups: int = 0  # q/k/v and gate/up run as one node each (kernels/projections.py)
     skipped_mlps: list = field(default_factory=list)  # class names of MLPs left eager (not SiLU-gated)
+    skipped_norms: list = field(default_factory=list)  # shaped like an RMSNorm, computing something else: eager
     # the provider's fused loss head, (hidden [T, H], weight [V, H], labels [T]) -> fp32 sum, for CPCausalLM's
     # HeadLoss to run in place of loss.py's chunked one; None: loss.py's
     head: object = field(default=None, repr=False)
@@ -51,7 +53,8 @@ class KernelReport:
     def __str__(self) -> str:
         if self.provider == "none":
             return "per-token kernels: eager (HF's modules)"
-        skipped = f"; left eager: {sorted(set(self.skipped_mlps))}" if self.skipped_mlps else ""
+        eager = sorted(set(self.skipped_mlps + self.skipped_norms))
+        skipped = f"; left eager: {eager}" if eager else ""
         head = ", and the loss head" if self.head is not None else ""
         return (f"per-token kernels: {self.provider} for {self.norms} RMSNorms, {self.mlps} SwiGLU MLPs and "
                 f"{self.ropes} RoPEs{head}; {self.projection_groups} projection groups{skipped}")
@@ -77,10 +80,17 @@ def apply_fused_kernels(model: torch.nn.Module, mode: str, device: torch.device,
             raise UnsupportedError(f"model.loss_head=liger: the {provider.name} kernels have no fused loss head (is "
                                    "Liger-Kernel installed?); set model.kernels=liger, or model.loss_head=auto")
         report.head = provider.linear_cross_entropy_sum
+    agrees = {}
     for module in model.modules():
         if _is_rms_norm(module):
-            _bind_norm(module, provider)
-            report.norms += 1
+            key = (type(module), module.weight.shape, float(module.variance_epsilon))
+            if key not in agrees:
+                agrees[key] = _norm_is_rms_norm(module, provider, device)
+            if agrees[key]:
+                _bind_norm(module, provider)
+                report.norms += 1
+            else:
+                report.skipped_norms.append(type(module).__name__)
         elif _is_gated_mlp(module):
             if _is_silu(module.act_fn):
                 _bind_mlp(module, provider)
@@ -97,8 +107,41 @@ def apply_fused_kernels(model: torch.nn.Module, mode: str, device: torch.device,
 
 
 def _is_rms_norm(m) -> bool:
-    return (isinstance(getattr(m, "weight", None), torch.Tensor) and hasattr(m, "variance_epsilon")
-            and not list(m.children()) and "forward" not in m.__dict__)
+    """Looks like an RMSNorm: a weight, variance_epsilon, no children, a forward of the input alone (a gated norm's
+    forward(hidden_states, gate) is not one). Whether it computes one is _norm_is_rms_norm's to say."""
+    if not (isinstance(getattr(m, "weight", None), torch.Tensor) and hasattr(m, "variance_epsilon")
+            and not list(m.children()) and "forward" not in m.__dict__):
+        return False
+    try:
+        params = list(inspect.signature(type(m).forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return False
+    return len(params) == 1 and params[0].kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                                   inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+def _norm_is_rms_norm(norm, provider, device) -> bool:
+    """The provider's RMSNorm against this class's own forward, fp32, on a small input and a weight away from 1. A
+    module shaped like an RMSNorm that computes something else keeps its own forward: Cohere's mean-centred LayerNorm
+    (weight and variance_epsilon too) was bound as an RMSNorm and gave wrong logits, with a first-use check that
+    compared the kernel with an RMSNorm and so agreed."""
+    width = norm.weight.ds_shape[-1] if hasattr(norm.weight, "ds_shape") else norm.weight.shape[-1]
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(8, width, generator=gen).to(device)
+    w = (1 + 0.2 * torch.randn(width, generator=gen)).to(device)
+    weight_in_fp32 = type(norm).__name__ in FP32_WEIGHT_NORMS
+    try:
+        with torch.no_grad():
+            own = torch.func.functional_call(norm, {"weight": w}, (x,))
+            fused = provider.rms_norm(x, w, float(norm.variance_epsilon), weight_in_fp32)
+        err = float((own.float() - fused.float()).norm() / own.float().norm())
+    except Exception as e:  # its own forward does not take this: it is not the norm the kernel computes
+        log.info("%s left eager: its forward on a plain input failed (%s: %s)", type(norm).__name__, type(e).__name__, e)
+        return False
+    if not err < 1e-4:
+        log.info("%s left eager: it is not an RMSNorm (relative %.2e from the fused RMSNorm on the same input)",
+                 type(norm).__name__, err)
+    return err < 1e-4
 
 
 def _is_gated_mlp(m) -> bool:
