@@ -9,8 +9,11 @@
         memory=long_context lengths=[131072] data.passkey.key_length=5
 
 Teacher-forced exact match of the whole answer per cell (engine/run/retrieval.py), written to
-<out_dir>/retrieval.json ({"cells": [{"length", "depth", "accuracy"}...], "mean_accuracy"}) and retrieval.png.
-out_dir defaults to the target. Launched like scripts/train.py (torchrun, deepspeed, plain python).
+<out_dir>/retrieval.json ({"cells": [{"length", "depth", "accuracy"}...], "mean_accuracy", "task", "step"}) and
+retrieval.png. out_dir defaults to <target>/eval_retrieval: a run's own retrieval.json (its training-time score)
+stays. The task is the one the model was trained on when its export says (training.json, which every export of this
+project holds), else data.passkey as configured; retrieval.json and the printout name it either way. Launched like
+scripts/train.py (torchrun, deepspeed, plain python).
 """
 import dataclasses
 import json
@@ -27,11 +30,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 import hydra  # noqa: E402
 from hydra.core.config_store import ConfigStore  # noqa: E402
-from omegaconf import DictConfig, OmegaConf  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
 
-from configs import HYDRA_CONF_DIR, ConfigError, register_configs, validate  # noqa: E402
+from configs import HYDRA_CONF_DIR, ConfigError, register_configs, to_dataclass, validate  # noqa: E402
+from configs.compose import check_overrides  # noqa: E402
 from configs.retrieval import RetrievalEvalConfig  # noqa: E402
 from configs.train import TrainConfig  # noqa: E402
+from engine.checkpoints.export import RECORD, read_record  # noqa: E402
+from engine.run.refusal import hush_other_ranks, hydra_started, reported  # noqa: E402
 
 register_configs()
 ConfigStore.instance().store(name="eval_retrieval_schema", node=RetrievalEvalConfig)
@@ -47,13 +53,15 @@ _TASK_FIELDS = ("key", "key_length", "num_needles", "num_distractors", "filler")
 
 @hydra.main(version_base="1.3", config_path="../hydra_conf", config_name="eval_retrieval")
 def main(dict_cfg: DictConfig) -> None:
+    hydra_started()
     from engine.ds.distributed import shutdown_distributed
-    run(to_eval_config(dict_cfg))
+    with reported():
+        run(to_eval_config(dict_cfg))
     shutdown_distributed()  # reached only when the evaluation ended normally
 
 
 def to_eval_config(dict_cfg) -> RetrievalEvalConfig:
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RetrievalEvalConfig), dict_cfg))
+    return to_dataclass(dict_cfg, RetrievalEvalConfig)  # every key checked, also one given with +
 
 
 def compose(overrides=()) -> RetrievalEvalConfig:
@@ -65,7 +73,8 @@ def compose(overrides=()) -> RetrievalEvalConfig:
 
 def resolve(cfg: RetrievalEvalConfig, world_size: int):
     """(the training config that builds the model for scoring, the task, the grid's lengths and depths, where
-    results go); every refusal happens here, before any process group or model exists."""
+    results go, what retrieval.json says was scored: the task, where it came from, the model's step); every refusal
+    happens here, before any process group or model exists."""
     from engine.data.passkey import PasskeyTask
     from engine.data.tokenizer import tokenizer_of
     if not cfg.target:
@@ -83,17 +92,27 @@ def resolve(cfg: RetrievalEvalConfig, world_size: int):
         if not (hf_dir / "config.json").exists():
             raise ConfigError(f"{target} has no hf_export/; write one with `python scripts/export_hf.py {target}`, "
                               f"then score <that folder>")
-        run_data = meta["config"]["data"]
+        record = read_record(hf_dir) or meta  # the export's own; one written before exports carried it: the run's
+        run_data = record["config"]["data"]
         if run_data["source"] != "passkey":
             raise ConfigError(f"{target} was trained on data.source={run_data['source']}, not passkey; score its "
                               f"hf_export folder with the task set by data.passkey.* overrides")
+        hf_cfg = json.loads((hf_dir / "config.json").read_text())
+    else:  # an HF folder: its export record says the task it learned, if it was one of ours and passkey
+        hf_dir, hf_cfg, record = target, meta, read_record(target)
+        run_data = record["config"]["data"] if record else None
+        if run_data is not None and run_data["source"] != "passkey":
+            run_data = None
+    if run_data is not None:
         passkey = dataclasses.replace(data.passkey, **{k: run_data["passkey"][k] for k in _TASK_FIELDS})
         data = dataclasses.replace(data, passkey=passkey, path=run_data["path"])
         lengths = lengths or list(run_data["passkey"]["eval_lengths"]) or [run_data["seq_len"]]
-        hf_cfg = json.loads((hf_dir / "config.json").read_text())
     else:
-        hf_dir, hf_cfg = target, meta
         lengths = lengths or [data.seq_len]
+    out_dir = Path(cfg.out_dir) if cfg.out_dir else target / "eval_retrieval"
+    source = (f"the task {hf_dir / RECORD} records" if run_data is not None and record is not meta else
+              f"the task {target / 'config.json'} records" if run_data is not None else
+              "data.passkey as configured (the model's folder records no passkey task)")
     if (hf_dir / "tokenizer.json").exists():
         data = dataclasses.replace(data, tokenizer_path=str(hf_dir))
     depths = [float(d) for d in cfg.depths]
@@ -110,7 +129,7 @@ def resolve(cfg: RetrievalEvalConfig, world_size: int):
                           f"lengths=[{min(limit, min(lengths))}]")
     micro = cfg.trainer.micro_batch_size
     train_cfg = TrainConfig(
-        run=dataclasses.replace(cfg.run, out_dir=str(cfg.out_dir or target)),
+        run=dataclasses.replace(cfg.run, out_dir=str(out_dir)),
         model=dataclasses.replace(cfg.model, source="pretrained", path=str(hf_dir), family=hf_cfg["model_type"],
                                   arch={k: hf_cfg[k] for k in _ARCH_KEYS if hf_cfg.get(k) is not None}),
         data=dataclasses.replace(data, seq_len=max(lengths), eval_samples=0, eval_path=None,
@@ -123,14 +142,16 @@ def resolve(cfg: RetrievalEvalConfig, world_size: int):
     tokenizer = tokenizer_of(train_cfg.data)  # the target's own when it ships one, else the shipped one
     task = PasskeyTask(train_cfg.data.passkey, tokenizer, train_cfg.data.path)
     task.make(random.Random(0), min(lengths))  # a key that does not fit the shortest length fails here
-    return train_cfg, task, lengths, depths, Path(cfg.out_dir or target)
+    scored = {"task": {k: getattr(train_cfg.data.passkey, k) for k in _TASK_FIELDS}, "task_from": source,
+              "step": (record or {}).get("step")}
+    return train_cfg, task, lengths, depths, out_dir, scored
 
 
 def run(cfg: RetrievalEvalConfig) -> dict:
     """Everything after composition; tests call it on forked ranks."""
     from engine.ds.distributed import init_distributed, read_runtime
     rt = read_runtime(cfg.device)
-    train_cfg, task, lengths, depths, out_dir = resolve(cfg, rt.world_size)
+    train_cfg, task, lengths, depths, out_dir, scored = resolve(cfg, rt.world_size)
     plan = validate(train_cfg, rt.world_size)  # cp, heads, memory presets: before the model loads
     logging.basicConfig(level=logging.INFO if rt.is_main else logging.WARNING,
                         format=f"[rank{rt.rank}] %(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
@@ -144,13 +165,22 @@ def run(cfg: RetrievalEvalConfig) -> dict:
     result = score_retrieval(engine, task, cfg.run.seed, lengths, depths, cfg.samples_per_cell, topo, plan.dp,
                              plan.micro_batch_size, pad_id_of(task.tok), rt.device)
     result["model"] = train_cfg.model.path
+    result.update(scored)
     if rt.is_main:
         json_path, png_path = write_retrieval(result, out_dir, f"{Path(cfg.target).resolve().name}: passkey "
                                               f"retrieval, mean {result['mean_accuracy']:.2f}")
-        print(f"mean_accuracy: {result['mean_accuracy']:.4f}\nretrieval: {json_path}\nheatmap: {png_path}",
-              flush=True)
+        print(f"task: {scored['task']} ({source_line(scored)})\nmean_accuracy: {result['mean_accuracy']:.4f}\n"
+              f"retrieval: {json_path}\nheatmap: {png_path}", flush=True)
     return result
 
 
+def source_line(scored: dict) -> str:
+    step = f", the model of step {scored['step']}" if scored["step"] is not None else ""
+    return f"from {scored['task_from']}{step}"
+
+
 if __name__ == "__main__":
+    with reported():
+        check_overrides(sys.argv[1:], RetrievalEvalConfig)
+    hush_other_ranks()
     main()

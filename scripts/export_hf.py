@@ -9,6 +9,10 @@ parameter for a bf16 model: 48 GB for 8B). For the final step the run's own expo
 `<run>/hf_export`) holds the same weights. This serves mid-run checkpoints, and a run that must go on where
 its optimizer state cannot follow (e.g. onto one rank, engine/checkpoints/reshard.py): start a new run.out_dir with
 model.source=pretrained model.path=<the export> (the optimizer starts fresh).
+
+The model is built from the config the checkpoint was written with (its config.json), and the checkpoint is
+verified against its manifest first: a damaged one is named with its file, and the export says which step and
+config it holds (training.json). Exit status 2, with the message alone, when it cannot export.
 """
 import argparse
 import sys
@@ -16,7 +20,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
+from engine.checkpoints.checkpoint import DamagedCheckpoint  # noqa: E402
 from engine.checkpoints.export import export_hf_from_checkpoint  # noqa: E402
+from engine.run.refusal import full_errors  # noqa: E402
 
 
 def main(argv=None) -> None:
@@ -27,7 +33,13 @@ def main(argv=None) -> None:
     parser.add_argument("--out", type=Path, default=None,
                         help="the folder to write (default: <run_dir>/hf_export_<tag>)")
     args = parser.parse_args(argv)
-    print(export_hf_from_checkpoint(args.run_dir, args.tag, args.out))
+    try:
+        print(export_hf_from_checkpoint(args.run_dir, args.tag, args.out))
+    except (DamagedCheckpoint, FileNotFoundError, NotImplementedError) as err:
+        if full_errors():
+            raise
+        print(f"export_hf.py: {err}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

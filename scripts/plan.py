@@ -14,14 +14,19 @@ The same Hydra overrides as scripts/train.py, plus:
     plan.device=gpu|cpu   gpu (default): the run's GPU kernels (fused per-token kernels; FA4 for attn_backend=auto
                           when flash_attn.cute is installed here, else SDPA); cpu: HF's eager modules
 Nothing is built and CUDA is never touched (the cost model: ds_ulysses_ext/memory/planner.py, docs/memory.md).
-Exit status 1 when no preset fits, with the longest data.seq_len that would.
+Exit status 1 when no preset fits, with the longest data.seq_len that would; 2 with the message alone when the
+command line does not compose (a preset or key that does not exist) or the config would be refused.
 """
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from hydra.errors import HydraException  # noqa: E402
+from omegaconf.errors import OmegaConfBaseException  # noqa: E402
+
 from configs import compose_config, validate  # noqa: E402
+from configs.compose import check_overrides  # noqa: E402
 from configs.errors import ConfigError  # noqa: E402
 from engine.run.auto_memory import FIT_FRACTION, TIE_FRACTION, host_total_gib, plan_memory, refusal  # noqa: E402
 
@@ -39,7 +44,12 @@ def main(argv) -> int:
             plan_args[key[5:]] = value
         else:
             overrides.append(arg)
-    cfg = compose_config(overrides)
+    try:
+        check_overrides(overrides)
+        cfg = compose_config(overrides)
+    except (ConfigError, HydraException, OmegaConfBaseException) as e:  # the message names it; a traceback would not
+        print(f"plan.py: {e}", file=sys.stderr)
+        return 2
     gpus = int(plan_args.get("gpus", cfg.parallelism.cp))
     per_node = int(plan_args.get("gpus_per_node", min(gpus, 8)))
     gpu_gib = float(plan_args.get("gpu_gib", cfg.memory.auto_gpu_gib or 140.0))

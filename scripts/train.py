@@ -9,6 +9,8 @@
     deepspeed --num_gpus 4 --no_local_rank scripts/train.py model=llama3_2_1b parallelism=cp4 data.seq_len=262144
 
 Ranks come from the environment (RANK, WORLD_SIZE, LOCAL_RANK). Only rank 0 writes the resolved config.
+A refused run (a key, a value, a checkpoint or the run folder that cannot go on as configured) prints its message
+once, on rank 0, and exits with status 2, having written nothing; HYDRA_FULL_ERROR=1 shows each rank's traceback.
 """
 import logging
 import warnings
@@ -24,6 +26,8 @@ import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from configs import TrainConfig, register_configs, to_dataclass, validate  # noqa: E402
+from configs.compose import check_overrides  # noqa: E402
+from engine.run.refusal import hush_other_ranks, hydra_started, reported  # noqa: E402
 
 register_configs()
 # DeepSpeed 0.19 still calls the collectives torch 2.13 renamed; the warning is theirs, not actionable here
@@ -32,8 +36,10 @@ warnings.filterwarnings("ignore", message=r".*(all_gather_into_tensor|reduce_sca
 
 @hydra.main(version_base="1.3", config_path="../hydra_conf", config_name="train")
 def main(dict_cfg: DictConfig) -> None:
+    hydra_started()
     from engine.ds.distributed import shutdown_distributed
-    run(to_dataclass(dict_cfg))  # from here on: typed dataclasses only
+    with reported():  # a refusal: its message once, not a traceback per rank (Hydra would print each)
+        run(to_dataclass(dict_cfg))  # from here on: typed dataclasses only
     shutdown_distributed()  # reached only when the run ended normally
 
 
@@ -55,14 +61,15 @@ def run(cfg: TrainConfig) -> dict:
         for message in plan.unread:  # keys the run accepted but will not read (configs/conditional.py)
             logging.getLogger("configs").warning(message)
     init_distributed(rt)
-    from engine.run.train import train, write_resolved_config
-    if rt.is_main:
-        write_resolved_config(cfg, plan, Path(cfg.run.out_dir))
-    outputs = train(cfg, plan, rt)
+    from engine.run.train import train
+    outputs = train(cfg, plan, rt)  # it writes config.json once nothing can refuse the run any more
     if rt.is_main:
         print("\n".join(f"{k}: {v}" for k, v in outputs.items()), flush=True)
     return outputs
 
 
 if __name__ == "__main__":
+    with reported():
+        check_overrides(sys.argv[1:])  # a misspelt key, named with the field meant (Hydra's error would suggest +)
+    hush_other_ranks()  # Hydra's own errors (a preset that does not exist) are the same on every rank
     main()

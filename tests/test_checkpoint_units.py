@@ -100,7 +100,7 @@ def test_resume_reads_a_checkpoint_from_before_data_eval_samples_as_no_held_out_
     config["data"]["eval_path"] = "val.jsonl"  # a validation file does not change training: still resumes
     checkpoint.check_resume_compatible(older, checkpoint.resume_fingerprint(config))
     config["data"]["eval_samples"] = 8  # holding samples out changes the training order: refused
-    with pytest.raises(RuntimeError, match="different run .data: checkpoint"):
+    with pytest.raises(RuntimeError, match=r"different run .data\.eval_samples: checkpoint 0 vs now 8"):
         checkpoint.check_resume_compatible(older, checkpoint.resume_fingerprint(config))
 
 

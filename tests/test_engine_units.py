@@ -69,28 +69,31 @@ def test_loss_scale_per_reduction_path():
 
 
 def test_lr_schedule_warmup_then_cosine_to_the_floor():
-    f = [lr_factor(s, warmup_steps=2, max_steps=10, min_lr_ratio=0.1) for s in range(11)]
+    # 10 steps (0-based 0..9): the last one runs at the floor, as README says ("at trainer.max_steps")
+    f = [lr_factor(s, warmup_steps=2, max_steps=10, min_lr_ratio=0.1) for s in range(10)]
     assert f[:2] == [0.5, 1.0]
-    assert f[2] == pytest.approx(1.0) and f[10] == pytest.approx(0.1)
-    assert all(a >= b for a, b in zip(f[2:], f[3:]))
+    assert f[2] == pytest.approx(1.0) and f[9] == pytest.approx(0.1)
+    assert all(a > b for a, b in zip(f[2:], f[3:]))
+    # no decay step between warmup and the last step: the last step is still the floor's
+    assert lr_factor(3, warmup_steps=3, max_steps=4, min_lr_ratio=0.1) == pytest.approx(0.1)
 
 
 def test_lr_schedule_linear_and_constant_decay():
-    linear = [lr_factor(s, warmup_steps=2, max_steps=10, min_lr_ratio=0.1, decay="linear") for s in range(11)]
-    # after warmup, 8 decay steps from 1.0 to 0.1: 0.1125 per step, by hand
+    linear = [lr_factor(s, warmup_steps=2, max_steps=10, min_lr_ratio=0.1, decay="linear") for s in range(10)]
+    # after warmup, steps 2..9 go from 1.0 to 0.1 in 7 equal decrements, by hand
     assert linear[:2] == [0.5, 1.0]
-    assert linear[2:] == pytest.approx([1.0 - 0.1125 * i for i in range(9)])
-    constant = [lr_factor(s, warmup_steps=2, max_steps=10, min_lr_ratio=0.1, decay="constant") for s in range(11)]
-    assert constant == [0.5] + [1.0] * 10
-    # the scheduler the engine hands DeepSpeed follows trainer.lr_decay
+    assert linear[2:] == pytest.approx([1.0 - 0.9 / 7 * i for i in range(8)])
+    constant = [lr_factor(s, warmup_steps=2, max_steps=10, min_lr_ratio=0.1, decay="constant") for s in range(10)]
+    assert constant == [0.5] + [1.0] * 9
+    # the scheduler the engine hands DeepSpeed follows trainer.lr_decay, and its last step is at the floor
     trainer = SimpleNamespace(warmup_steps=2, max_steps=10, min_lr_ratio=0.1, lr_decay="linear")
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=2.0)
     scheduler, lrs = build_scheduler(trainer)(optimizer), []
-    for _ in range(11):
+    for _ in range(10):
         lrs.append(optimizer.param_groups[0]["lr"])
         optimizer.step()
         scheduler.step()
-    assert lrs == pytest.approx([2.0 * f for f in linear])
+    assert lrs == pytest.approx([2.0 * f for f in linear]) and lrs[-1] == pytest.approx(2.0 * 0.1)
 
 
 def _wandb_cfg(mode):

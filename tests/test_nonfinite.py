@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.observe.tracking import read_metrics
 from test_engine import BASE, _rel
 
 from dist_harness import run_ranks
@@ -33,7 +34,10 @@ def _train(tmp_path, name, world, extra):
     out, notes = tmp_path / name, tmp_path / f"{name}_notes"
     notes.mkdir()
     run_ranks(_run_and_note, world, BASE + [f"run.out_dir={out}"] + extra, str(notes))
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    text = (out / "metrics.jsonl").read_text()
+    for line in text.splitlines():  # strict JSON: a parser that refuses NaN / Infinity reads every row
+        json.loads(line, parse_constant=lambda word: pytest.fail(f"bare {word} in metrics.jsonl: {line}"))
+    rows = read_metrics(out / "metrics.jsonl")  # the non-finite numbers as floats again
     return rows, [(notes / f"rank{r}.txt").read_text() for r in range(world)], out
 
 

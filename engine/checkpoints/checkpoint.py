@@ -29,18 +29,27 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..run.refusal import Refused
 from . import manifest
 
 log = logging.getLogger(__name__)
 
 
 LAYOUT_FILE = "optimizer_layout.json"  # what the saved ZeRO state is partitioned for (engine/checkpoints/reshard.py)
+# the resolved config of the run that wrote the checkpoint: what an export of it builds (the run folder's config.json
+# is the latest run's, which may be another layout, e.g. after a resume on other ranks)
+CONFIG_FILE = "config.json"
+DAMAGED_PREFIX = "damaged_"  # a damaged checkpoint a fallback stepped over, kept for a look but never resumed
 _FIX = ("restore the checkpoint from a copy, point checkpoints/latest at an older tag, or start over with "
         "trainer.resume=false or a new run.out_dir")
 
 
-class DamagedCheckpoint(RuntimeError):
+class DamagedCheckpoint(Refused):
     """A checkpoint file that is missing, cut short, or holds other bytes than were written."""
+
+
+class ResumeRefused(Refused):
+    """The checkpoint in run.out_dir cannot continue this run (other settings, or a layout it cannot load into)."""
 
 
 def tag_of(step: int) -> str:
@@ -91,16 +100,40 @@ def check_resume_compatible(saved: dict, current: dict) -> None:
             saved[section] = {field: default, **saved[section]}
     diffs = [key for key in RESUME_KEYS if saved.get(key) != current.get(key)]
     if diffs:
-        detail = "; ".join(f"{k}: checkpoint {saved.get(k)!r} vs now {current.get(k)!r}" for k in diffs)
-        raise RuntimeError(f"the checkpoint in run.out_dir was written by a different run ({detail}). Resuming would "
-                           "silently continue another trajectory: use a new run.out_dir or trainer.resume=false")
+        leaves = [line for key in diffs for line in _leaf_diffs(key, saved.get(key), current.get(key))]
+        leaves.sort(key=lambda line: line.split(":")[0].count("."))  # model.family before model.arch.<key>
+        shown = "; ".join(leaves[:4]) + (f"; and {len(leaves) - 4} more" if len(leaves) > 4 else "")
+        raise ResumeRefused(f"the checkpoint in run.out_dir was written by a different run ({shown}). Resuming would "
+                            "silently continue another trajectory: use a new run.out_dir, or trainer.resume=false "
+                            "to start over there (the earlier run's outputs move to <run.out_dir>/previous)")
+
+
+_ABSENT = object()
+
+
+def _leaf_diffs(key: str, saved, now) -> list[str]:
+    """`model.arch.num_experts: checkpoint absent vs now 8`, one line per differing leaf (a section's dump would
+    bury the one key that differs in kilobytes)."""
+    if isinstance(saved, dict) and isinstance(now, dict):
+        return [line for k in sorted(set(saved) | set(now), key=str)
+                for line in _leaf_diffs(f"{key}.{k}", saved.get(k, _ABSENT), now.get(k, _ABSENT))]
+    if saved == now:
+        return []
+    show = lambda v: "absent" if v is _ABSENT else repr(v)  # noqa: E731
+    return [f"{key}: checkpoint {show(saved)} vs now {show(now)}"]
 
 
 def save(engine, out_dir: Path, step: int, rank: int, fingerprint: dict | None = None, keep: int = 0,
-         layout: dict | None = None) -> str:
-    """`layout`: engine/checkpoints/reshard.py's optimizer_layout, which a resume on other ranks is checked against."""
+         layout: dict | None = None, config: dict | None = None) -> str:
+    """`layout`: engine/checkpoints/reshard.py's optimizer_layout, which a resume on other ranks is checked against;
+    `config`: the run's resolved config (and plan), which an export of this checkpoint builds its model from."""
     tag = tag_of(step)
     root = ckpt_root(out_dir)
+    if rank == 0 and (root / tag).exists() and latest_tag(out_dir) != tag:
+        # a save of this step that a crash cut short, or a damaged one a fallback stepped over: files of it that
+        # this save does not write (another world size's shards) would join this checkpoint's manifest
+        shutil.rmtree(root / tag)
+    dist.barrier()
     engine.save_checkpoint(str(root), tag=tag, client_state={"step": step}, save_latest=False)
     rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
@@ -109,18 +142,48 @@ def save(engine, out_dir: Path, step: int, rank: int, fingerprint: dict | None =
         (root / tag / "resume_fingerprint.json").write_text(json.dumps(fingerprint, indent=1, sort_keys=True))
     if rank == 0 and layout is not None:
         (root / tag / LAYOUT_FILE).write_text(json.dumps(layout, sort_keys=True))
+    if rank == 0 and config is not None:
+        (root / tag / CONFIG_FILE).write_text(json.dumps(config, indent=2))
     dist.barrier()
     manifest.write(root / tag, rank)  # before `latest` moves: a checkpoint named there always has one
     if rank == 0:
-        tmp = root / "latest.tmp"
-        tmp.write_text(tag + "\n")
-        os.replace(tmp, root / "latest")
+        point_latest(out_dir, tag)
         log.info("checkpoint %s saved", tag)
         removed = prune(out_dir, keep)
         if removed:
             log.info("deleted older checkpoints %s (trainer.keep_checkpoints=%d)", ", ".join(removed), keep)
     dist.barrier()
     return tag
+
+
+def point_latest(out_dir: Path, tag: str) -> None:
+    """Rank 0: `latest` names `tag`, replaced atomically (a crash leaves the old name or the new, never half)."""
+    root = ckpt_root(out_dir)
+    tmp = root / "latest.tmp"
+    tmp.write_text(tag + "\n")
+    os.replace(tmp, root / "latest")
+
+
+def settle_fallback(out_dir: Path, tag: str, rank: int) -> list[str]:
+    """After a fallback resumed from `tag` (every rank, once it loaded): the damaged checkpoints it stepped over, up
+    to the old `latest`, become damaged_<tag> and `latest` names `tag`. Else `latest` would keep naming a damaged
+    checkpoint until this run saves that step again: a run stopped before (or that never saves it) leaves an export
+    or a resume of `latest` reading the damaged files, and pruning counting them. Returns the renamed tags."""
+    moved = []
+    if rank == 0:
+        root, old = ckpt_root(out_dir), latest_tag(out_dir)
+        for path in sorted(root.glob("step_*")):
+            if path.is_dir() and tag < path.name <= old:
+                target = root / (DAMAGED_PREFIX + path.name)
+                shutil.rmtree(target, ignore_errors=True)  # an older fallback's copy of the same step
+                os.replace(path, target)
+                moved.append(path.name)
+        point_latest(out_dir, tag)
+        if moved:
+            log.warning("checkpoints/latest now names %s; the damaged %s renamed %s (not resumed, exported or pruned)",
+                        tag, ", ".join(moved), ", ".join(DAMAGED_PREFIX + m for m in moved))
+    dist.barrier()
+    return moved
 
 
 def prune(out_dir: Path, keep: int) -> list[str]:
@@ -203,8 +266,10 @@ def _read(folder: Path, rank: int, path, load, *args, **kwargs):
     try:
         return load(path, *args, **kwargs)
     except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as err:
-        raise DamagedCheckpoint(f"checkpoint {folder}: reading {path} failed on rank {rank} "
-                                f"({type(err).__name__}: {err}); {_FIX}") from err
+        damaged = DamagedCheckpoint(f"checkpoint {folder}: reading {path} failed on rank {rank} "
+                                    f"({type(err).__name__}: {err}); {_FIX}")
+        damaged.rank_local = True  # this rank alone may have raised it: it says so itself
+        raise damaged from err
 
 
 def check_resume(out_dir: Path, tag: str, fingerprint: dict) -> None:

@@ -4,12 +4,19 @@ or from any saved checkpoint of a run afterwards, in one CPU process.
 The second is for what the first cannot serve: a mid-run checkpoint to evaluate, and a run that must go on
 where its optimizer state cannot follow (e.g. onto one rank, engine/checkpoints/reshard.py): a new run from the export,
 `model.source=pretrained model.path=<export>`, with a fresh optimizer state.
+
+Each export holds training.json: the step it is the model of, the checkpoint it came from (if any) and the resolved
+config of the run that trained it. So an export says what it is wherever it is copied, and scripts/eval_retrieval.py
+scores it on the task it was trained on. It is written into <folder>.tmp and moved into place whole: a run killed
+mid-export leaves the previous export or none, never a mix of two.
 """
 from __future__ import annotations
 
 import contextlib
 import json
 import logging
+import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -20,15 +27,32 @@ from configs import to_dataclass
 from ..data.tokenizer import tokenizer_of
 from ..ds.build import hf_attn, model_dtype, no_init_weights
 from ..ds.hf_config import hf_config_of
-from . import checkpoint
+from . import checkpoint, manifest
 from .buffers import MODEL_STATES
 
 log = logging.getLogger(__name__)
 
 _PREFIX = "hf."  # CPCausalLM holds the HF model as `.hf`
+RECORD = "training.json"
 
 
-def _save_folder(hf_model, state: dict, export_dir: Path, tokenizer=None) -> None:
+def read_record(export_dir: Path) -> dict | None:
+    """An export's training.json ({"step", "checkpoint", "config"}); None for an export written before it existed."""
+    path = Path(export_dir) / RECORD
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _save_folder(hf_model, state: dict, export_dir: Path, tokenizer=None, record: dict | None = None) -> None:
+    tmp = export_dir.with_name(export_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)  # an export a crash cut short
+    _write_folder(hf_model, state, tmp, tokenizer)
+    if record is not None:
+        (tmp / RECORD).write_text(json.dumps(record, indent=2))
+    shutil.rmtree(export_dir, ignore_errors=True)
+    os.replace(tmp, export_dir)
+
+
+def _write_folder(hf_model, state: dict, export_dir: Path, tokenizer=None) -> None:
     state = {k.removeprefix(_PREFIX): v.detach().cpu() for k, v in state.items()}
     unread = _stock_unread(hf_model)
     if unread:
@@ -65,15 +89,16 @@ def _stock_unread(hf_model) -> list[str]:
             if isinstance(mod, TopKRouter) and "expert_bias" in mod._buffers]
 
 
-def export_hf(engine, hf_model, export_dir: Path, rank: int, tokenizer=None) -> Path:
-    """The live model, at the end of a run. Collective under ZeRO-3 (it gathers every shard to rank 0)."""
+def export_hf(engine, hf_model, export_dir: Path, rank: int, tokenizer=None, record: dict | None = None) -> Path:
+    """The live model, at the end of a run. Collective under ZeRO-3 (it gathers every shard to rank 0). `record`:
+    training.json's content."""
     if engine.zero_optimization_stage() == 3:
         state = engine._zero3_consolidated_16bit_state_dict()  # full dict on rank 0
     else:
         state = engine.module.state_dict()
     state = _with_all_experts(engine.module, state, rank)
     if rank == 0:
-        _save_folder(hf_model, state, export_dir, tokenizer)
+        _save_folder(hf_model, state, export_dir, tokenizer, record)
     dist.barrier()
     return export_dir
 
@@ -112,9 +137,19 @@ def export_hf_from_checkpoint(out_dir: Path, tag: str | None = None, export_dir:
 
     out_dir = Path(out_dir)
     tag = tag or checkpoint.latest_tag(out_dir)
-    if tag is None or not (checkpoint.ckpt_root(out_dir) / tag).is_dir():
+    folder = checkpoint.ckpt_root(out_dir) / str(tag)
+    if tag is None or not folder.is_dir():
         raise FileNotFoundError(f"no checkpoint {tag or '(latest)'} under {checkpoint.ckpt_root(out_dir)}")
-    cfg = to_dataclass(json.loads((out_dir / "config.json").read_text())["config"])
+    problems = manifest.verify(folder, 0)  # before torch reads a file cut short and fails without naming it
+    if problems:
+        older = sorted((p.name for p in folder.parent.glob("step_*") if p.is_dir() and p.name < tag), reverse=True)
+        raise checkpoint.DamagedCheckpoint(
+            f"checkpoint {folder} is damaged: {'; '.join(problems)}. Restore it from a copy, or export an older "
+            f"checkpoint ({'--tag ' + older[0] if older else 'there is none'})")
+    # the config of the run that wrote this checkpoint; a checkpoint from before they carried one: the run folder's
+    saved = folder / checkpoint.CONFIG_FILE
+    meta = json.loads((saved if saved.exists() else out_dir / "config.json").read_text())
+    cfg = to_dataclass(meta["config"])
     if cfg.parallelism.ep > 1:
         # zero_to_fp32 assumes every parameter is partitioned over all ranks; expert shards are not
         raise NotImplementedError(
@@ -142,5 +177,6 @@ def export_hf_from_checkpoint(out_dir: Path, tag: str | None = None, export_dir:
         from ds_ulysses_ext.moe.parallel import replace_hf_blocks
         replace_hf_blocks(hf_model, expert_bias=True)
     hf_model.load_state_dict(state, strict=True)  # zero_to_fp32 names a tied lm_head too
-    _save_folder(hf_model, hf_model.state_dict(), export_dir, tokenizer_of(cfg.data))
+    record = {"step": int(tag.removeprefix("step_")) if tag.startswith("step_") else None, "checkpoint": tag, **meta}
+    _save_folder(hf_model, hf_model.state_dict(), export_dir, tokenizer_of(cfg.data), record)
     return export_dir

@@ -70,10 +70,13 @@ def write(folder: Path, rank: int) -> None:
 
 def verify(folder: Path, rank: int) -> Optional[list[str]]:
     """Every rank together: None when the checkpoint has no manifest (written before manifests existed), else
-    the damaged files (or the missing folder), one line each ([] when intact), the same list on every rank."""
-    world = dist.get_world_size()
+    the damaged files (or the missing folder), one line each ([] when intact), the same list on every rank. Without
+    a process group (scripts/export_hf.py), one process checks every file."""
+    together = dist.is_initialized()
+    world = dist.get_world_size() if together else 1
     found = [folder.is_dir(), (folder / MANIFEST).exists()]
-    dist.broadcast_object_list(found, src=0)  # rank 0's view decides, so no rank skips the gather below
+    if together:
+        dist.broadcast_object_list(found, src=0)  # rank 0's view decides, so no rank skips the gather below
     if not found[0]:
         return [f"its folder {folder} does not exist"]
     if not found[1]:
@@ -94,6 +97,8 @@ def verify(folder: Path, rank: int) -> Optional[list[str]]:
             problems.append(f"{name}: {size} bytes on disk, {want['size']} when written")
         elif hexdigest != want["sha256"]:
             problems.append(f"{name}: its bytes differ from those written (SHA-256 mismatch, same size)")
-    parts = [None] * world
-    dist.all_gather_object(parts, problems)  # every rank's verdict, so every rank takes the same branch
+    parts = [problems]
+    if together:
+        parts = [None] * world
+        dist.all_gather_object(parts, problems)  # every rank's verdict, so every rank takes the same branch
     return sorted({p for part in parts for p in part})

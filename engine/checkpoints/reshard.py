@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from .buffers import MODEL_STATES, restore_from_checkpoint
-from .checkpoint import LAYOUT_FILE, ckpt_root, read_json
+from .checkpoint import LAYOUT_FILE, ResumeRefused, ckpt_root, read_json
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ def needs_reshard(out_dir: Path, tag: str, layout: dict, allowed: bool) -> dict 
     if saved_ep > 1 or ep > 1:
         # an expert shard's optimizer state is partitioned over its EDP group and DeepSpeed's universal
         # conversion assumes every parameter is partitioned over all ranks: it would mix different experts
-        raise RuntimeError(
+        raise ResumeRefused(
             f"checkpoint {path} was written with parallelism.ep={saved_ep} on {saved['world_size']} rank(s); this run "
             f"has parallelism.ep={ep} on {layout['world_size']} rank(s). An MoE run with ep > 1 resumes only on the "
             f"same ep and world size: resume with parallelism.ep={saved_ep} on {saved['world_size']} rank(s), or start "
@@ -74,7 +74,7 @@ def needs_reshard(out_dir: Path, tag: str, layout: dict, allowed: bool) -> dict 
     held = (f"ZeRO-{saved['zero_stage']} optimizer state partitioned over {saved['world_size']} rank(s)"
             if saved["zero_stage"] else "deepspeed=zero0 optimizer state (one rank's, not partitioned: DeepSpeed's "
             "universal conversion reads ZeRO partitions only)")
-    raise RuntimeError(
+    raise ResumeRefused(
         f"checkpoint {path} holds {held}; this run has {layout['world_size']} rank(s) at ZeRO-{layout['zero_stage']}, "
         f"and {why}. Resume on {saved['world_size']} rank(s) with the same deepspeed preset (parallelism.cp may "
         "change: the trajectory stays exact), or start a new run.out_dir from the weights alone (the optimizer "

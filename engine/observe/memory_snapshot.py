@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from configs.errors import ConfigError
+
 GIB = 2 ** 30
 MAX_ENTRIES = 1_000_000  # trace events kept; a 16k step of a 1B model with recompute makes about 60k
 # frames skipped when naming an allocation's site: torch's own Python, which allocates on behalf of its caller
@@ -27,9 +29,9 @@ _KEEP_FROM = ("site-packages/", "dist-packages/")
 
 def check_device(step: int, device: torch.device) -> None:
     if step and device.type != "cuda":
-        raise ValueError(f"logging.memory_snapshot_step={step} records the CUDA allocator's history; this run is on "
-                         f"{device.type}: set logging.memory_snapshot_step=0 (logging.profile_step profiles on any "
-                         "device)")
+        raise ConfigError(f"logging.memory_snapshot_step={step} records the CUDA allocator's history; this run is on "
+                          f"{device.type}: set logging.memory_snapshot_step=0 (logging.profile_step profiles on any "
+                          "device)")
 
 
 def _site(frames: list) -> str:

@@ -1,15 +1,16 @@
 """Loss curve PNG from metrics.jsonl (rank 0, end of run)."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from .tracking import read_metrics
 
 
 def plot_loss(metrics_path: Path, png_path: Path) -> Path:
     import matplotlib
     matplotlib.use("Agg")  # no display on training machines
     import matplotlib.pyplot as plt
-    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    rows = read_metrics(metrics_path)  # a non-finite loss as NaN: a gap in the line
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], marker="o", ms=3, label="train")
     evals = [r for r in rows if "eval_loss" in r]

@@ -1,12 +1,15 @@
 """train(cfg, plan, rt): the training run, top to bottom.
 
-    topology -> data -> model + DeepSpeed engine -> resume -> loop(step, eval, log, gc, save) -> save, export, plot
+    topology -> data -> checks -> model + DeepSpeed engine -> resume -> run folder -> loop(step, eval, log, gc, save)
+    -> save, export, plot
+
+Nothing is written into run.out_dir before the model is built and the checkpoint loaded: every refusal comes first
+(engine/run/folder.py says what the folder holds and why its files agree).
 """
 from __future__ import annotations
 
 import dataclasses
 import gc
-import json
 import logging
 import time
 from pathlib import Path
@@ -36,6 +39,7 @@ from ..observe.oom import oom_advice
 from ..observe.plot import plot_loss
 from ..observe.profile import maybe_profile
 from ..observe.tracking import Tracker
+from . import folder
 from .evaluate import eval_set, evaluate
 from .retrieval import log_retrieval
 from .step import train_step
@@ -54,7 +58,7 @@ def train(cfg: TrainConfig, plan: Plan, rt: Runtime) -> dict:
         log.warning(placement)
 
     # --- data: a step's samples depend only on (seed, data, global batch), never on the layout
-    hf_config = hf_config_of(cfg.model)
+    hf_config = hf_config_of(cfg.model).get_text_config()  # a VL checkpoint's language model: its text config
     long_positions = (position_warning(hf_config, plan.seq_len, plan.cp, plan.ring)
                       if cfg.model.source == "pretrained" else None)
     if long_positions and rt.is_main:
@@ -71,12 +75,16 @@ def train(cfg: TrainConfig, plan: Plan, rt: Runtime) -> dict:
     layout = optimizer_layout(plan.world_size, effective_zero_stage(cfg, plan.world_size), plan.ep)
     # verified first (every rank together): a damaged `latest` stops the run or falls back to an older checkpoint
     tag = checkpoint.resume_tag(out_dir, rt.rank, cfg.trainer.on_corrupt_checkpoint) if cfg.trainer.resume else None
+    fell_back = tag is not None and tag != checkpoint.latest_tag(out_dir)  # read by every rank before `latest` moves
     load_root = None  # checkpoints/, unless a checkpoint of other ranks is re-partitioned first (a copy)
     if tag is not None:
         checkpoint.check_resume(out_dir, tag, fingerprint)
         saved_layout = needs_reshard(out_dir, tag, layout, cfg.trainer.reshard_on_resume)
         if saved_layout is not None:
             load_root = to_universal(out_dir, tag, rt.rank, saved_layout["zero_stage"])
+    else:
+        # an earlier run's outputs there must be movable aside
+        folder.check_fresh_start(out_dir, cfg.model.path if cfg.model.source == "pretrained" else None)
     reshard = load_root is not None
 
     # --- model and engine; what offload will ask of the host is said first (a host OOM kills without an error)
@@ -93,20 +101,35 @@ def train(cfg: TrainConfig, plan: Plan, rt: Runtime) -> dict:
         start = checkpoint.load(engine, out_dir, tag, rt.rank, load_root)
         if reshard:
             finish_reshard(engine, out_dir, rt.rank, tag)
+        if fell_back:  # `latest` names the checkpoint this run continues, not the damaged one it stepped over
+            checkpoint.settle_fallback(out_dir, tag, rt.rank)
         if rt.is_main:
             log.info("resumed from %s at step %d%s", tag, start, ", re-partitioned for these ranks" if reshard else "")
 
+    # --- from here on this run writes the folder: an earlier run's outputs aside, or what the resume makes stale
+    stop = min(cfg.trainer.max_steps, cfg.trainer.stop_after_steps or cfg.trainer.max_steps)
+    if tag is None:
+        folder.start_fresh(out_dir, rt.rank)
+    else:
+        folder.continue_at(out_dir, start, stop, rt.rank)
+    run_config = {"config": dataclasses.asdict(cfg), "plan": dataclasses.asdict(plan)}
+    if rt.is_main:
+        folder.write_config(out_dir, run_config)
+    holds = tag  # the checkpoint of this run's state now: the one it resumed from, then its own last save
+
     def save(at_step: int) -> None:
-        # every save carries what a resume is checked against (settings, optimizer layout), then prunes
+        # every save carries what a resume is checked against (settings, optimizer layout) and what an export of
+        # it builds (the config), then prunes
+        nonlocal holds
         checkpoint.save(engine, out_dir, at_step, rt.rank, fingerprint, keep=cfg.trainer.keep_checkpoints,
-                        layout=layout)
+                        layout=layout, config=run_config)
+        holds = checkpoint.tag_of(at_step)
         preemption.saved()
 
     tracker = Tracker(out_dir, cfg.logging, rt.is_main, cfg.trainer.max_steps, start,
                       dataclasses.asdict(cfg))
     # automatic GC pauses one rank at a random moment and stalls every collective; collect together instead
     gc.disable()
-    stop = min(cfg.trainer.max_steps, cfg.trainer.stop_after_steps or cfg.trainer.max_steps)
     # signal handlers (restored in `finally`) and the run's clocks
     preemption = Preemption(cfg.trainer.save_every_minutes, cfg.trainer.max_minutes)
     out_of_time = False
@@ -164,7 +187,7 @@ def train(cfg: TrainConfig, plan: Plan, rt: Runtime) -> dict:
             if save_due or (cfg.trainer.save_every and (step + 1) % cfg.trainer.save_every == 0):
                 save(step + 1)
             if step + 1 < stop and stop_now:
-                if checkpoint.latest_tag(out_dir) != checkpoint.tag_of(step + 1):
+                if holds != checkpoint.tag_of(step + 1):
                     save(step + 1)
                 return {"preempted_at": step + 1}
             if out_of_time and step + 1 < stop:
@@ -183,10 +206,12 @@ def train(cfg: TrainConfig, plan: Plan, rt: Runtime) -> dict:
 
     # --- end of run: checkpoint, HF export, loss plot
     outputs = {"metrics": str(out_dir / "metrics.jsonl")}
-    if cfg.trainer.save_at_end and checkpoint.latest_tag(out_dir) != checkpoint.tag_of(stop):
+    # this run's own state, never a checkpoint of the same step that `latest` may name from another run
+    if cfg.trainer.save_at_end and holds != checkpoint.tag_of(stop):
         save(stop)
     if cfg.trainer.export_hf:
-        outputs["hf_export"] = str(export_hf(engine, hf, out_dir / "hf_export", rt.rank, tokenizer))
+        record = {"step": stop, "checkpoint": holds if holds == checkpoint.tag_of(stop) else None, **run_config}
+        outputs["hf_export"] = str(export_hf(engine, hf, out_dir / "hf_export", rt.rank, tokenizer, record))
     if rt.is_main and (out_dir / "metrics.jsonl").exists():
         outputs["loss_plot"] = str(plot_loss(out_dir / "metrics.jsonl", out_dir / "loss.png"))
     dist.barrier()
@@ -236,9 +261,3 @@ def _memory(device: torch.device) -> tuple[float, float]:
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
         return rss, rss
     return torch.cuda.max_memory_allocated(device) / 2**30, torch.cuda.max_memory_reserved(device) / 2**30
-
-
-def write_resolved_config(cfg: TrainConfig, plan: Plan, out_dir: Path) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "config.json").write_text(json.dumps({"config": dataclasses.asdict(cfg),
-                                                     "plan": dataclasses.asdict(plan)}, indent=2))
