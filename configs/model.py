@@ -136,12 +136,13 @@ def check_latent_size(key: str, size: int) -> None:
 
 def check_positions(cfg: "TrainConfig", ring: int) -> None:
     # positions past what the model was built for silently extrapolate RoPE; known only when arch says it
-    limit = cfg.model.arch.get("max_position_embeddings")
+    arch, at = decoder_arch(cfg.model.arch)
+    limit = arch.get("max_position_embeddings")
     padded = padded_seq_len(cfg.data.seq_len, cfg.parallelism.cp, ring)
     require(
         not limit or padded <= limit,
-        f"data.seq_len={cfg.data.seq_len} (padded to {padded} for cp) exceeds model.arch.max_position_embeddings="
-        f"{limit}; shorten data.seq_len or raise model.arch.max_position_embeddings (RoPE will extrapolate)",
+        f"data.seq_len={cfg.data.seq_len} (padded to {padded} for cp) exceeds {at}max_position_embeddings="
+        f"{limit}; shorten data.seq_len or raise {at}max_position_embeddings (RoPE will extrapolate)",
     )
 
 
@@ -152,7 +153,7 @@ def _rope_key(arch: Mapping[str, Any]) -> str:
 
 def check_rope(cfg: "TrainConfig") -> None:
     """RoPE types under cp (ds_ulysses_ext/rope.py); known only when model.arch says the rope type."""
-    cp, arch = cfg.parallelism.cp, cfg.model.arch
+    cp, (arch, at) = cfg.parallelism.cp, decoder_arch(cfg.model.arch)
     if cp == 1:
         return
     key = _rope_key(arch)
@@ -160,9 +161,15 @@ def check_rope(cfg: "TrainConfig") -> None:
     unknown = unchecked_rope_types(params)
     require(
         not unknown,
-        f"model.arch.{key}.rope_type={unknown[0] if unknown else ''} is not one of the RoPE types checked under cp "
-        f"{fmt(CP_ROPE_TYPES)}; set model.arch.{key}.rope_type to one of them or run with parallelism.cp=1",
+        f"{at}{key}.rope_type={unknown[0] if unknown else ''} is not one of the RoPE types checked under cp "
+        f"{fmt(CP_ROPE_TYPES)}; set {at}{key}.rope_type to one of them or run with parallelism.cp=1",
     )  # a length cp does not divide is fine for every type: the cp pads never enter the length (rope.py)
+
+
+def decoder_arch(arch: Mapping[str, Any]) -> tuple[Mapping[str, Any], str]:
+    """model.arch's keys of the decoder and where they sit: a VL preset (qwen3_vl) nests them under text_config."""
+    text = arch.get("text_config")
+    return (text, "model.arch.text_config.") if isinstance(text, Mapping) else (arch, "model.arch.")
 
 
 def check_experts(model: ModelConfig, ep: int, world_size: int) -> None:
@@ -171,17 +178,18 @@ def check_experts(model: ModelConfig, ep: int, world_size: int) -> None:
         f"parallelism.ep={ep} does not divide the world size {world_size}; "
         f"choose parallelism.ep in {fmt(divisors(world_size))}",
     )
-    key = next((k for k in _EXPERT_KEYS if k in model.arch), None)
+    arch, at = decoder_arch(model.arch)
+    key = next((k for k in _EXPERT_KEYS if k in arch), None)
     if key is None:
         require(
             ep == 1 or model.family in MOE_FAMILIES,
             f"parallelism.ep={ep} but model.family={model.family} has no experts; set parallelism.ep=1",
         )
         return  # an MoE preset without an expert count: checked at model load
-    num_experts = model.arch[key]
+    num_experts = arch[key]
     valid = [e for e in divisors(num_experts) if world_size % e == 0]
     require(
         num_experts % ep == 0,
-        f"parallelism.ep={ep} does not divide model.arch.{key}={num_experts}; "
+        f"parallelism.ep={ep} does not divide {at}{key}={num_experts}; "
         f"choose parallelism.ep in {fmt(valid)} (world size {world_size})",
     )

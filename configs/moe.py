@@ -27,8 +27,12 @@ class MoEConfig:
 
 # families whose MoE blocks ds_ulysses_ext.moe replaces (and so can split over ep); other MoE families run HF's
 # (gpt_oss: HF's GptOssMLP becomes our block with GPT-OSS's router, biases and clamped SwiGLU; deepseek_v3,
-# glm4_moe_lite, glm4_moe: HF's DeepseekV3MoE-style block with its biased, group-limited sigmoid router, docs/moe.md)
-EP_FAMILIES = ("qwen3_moe", "latent_moe", "gpt_oss", "deepseek_v3", "glm4_moe_lite", "glm4_moe")
+# glm4_moe_lite, glm4_moe: HF's DeepseekV3MoE-style block with its biased, group-limited sigmoid router; mistral4: the
+# same block with a softmax router; cohere2_moe: top-k then softmax / sigmoid, averaged shared expert; qwen3_vl_moe:
+# Qwen3-MoE's block in a VL checkpoint's language model; qwen3_next, qwen3_5_moe_text: Qwen3-MoE's router with a
+# sigmoid-gated shared expert; bailing_hybrid: DeepSeek-V3's block, docs/moe.md)
+EP_FAMILIES = ("qwen3_moe", "latent_moe", "gpt_oss", "deepseek_v3", "glm4_moe_lite", "glm4_moe", "mistral4",
+               "cohere2_moe", "qwen3_vl_moe", "qwen3_next", "qwen3_5_moe_text", "bailing_hybrid")
 
 
 def check_moe(cfg, world_size: int) -> None:

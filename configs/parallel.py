@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
 from configs.errors import ConfigError, divisors, fmt, require
-from configs.model import check_experts
+from configs.model import check_experts, decoder_arch
 from ds_ulysses_ext.attention.layout import valid_cp_values
 from ds_ulysses_ext.attention.zigzag import auto_ring_size, valid_ring_sizes
 
@@ -130,6 +130,7 @@ def check_parallelism(cfg: "TrainConfig", world_size: int) -> int:
 
 
 def check_heads(arch: Mapping[str, Any], cp: int, world_size: int) -> None:
+    arch, at = decoder_arch(arch)
     num_q = arch.get("num_attention_heads")
     if num_q is None:
         return  # a pretrained preset without head counts: enable_context_parallel checks at model load
@@ -140,8 +141,8 @@ def check_heads(arch: Mapping[str, Any], cp: int, world_size: int) -> None:
         return
     valid = [c for c in divisors(world_size) if c in splits]
     raise ConfigError(
-        f"parallelism.cp={cp} cannot split the heads of model.arch.num_attention_heads={num_q}, "
-        f"model.arch.num_key_value_heads={num_kv}: Ulysses needs num_attention_heads % cp == 0 and "
+        f"parallelism.cp={cp} cannot split the heads of {at}num_attention_heads={num_q}, "
+        f"{at}num_key_value_heads={num_kv}: Ulysses needs num_attention_heads % cp == 0 and "
         f"num_key_value_heads % cp == 0 or cp % num_key_value_heads == 0; "
         f"choose parallelism.cp in {fmt(valid)} (world size {world_size}), or add a ring: parallelism.ring=auto"
     )
@@ -150,7 +151,7 @@ def check_heads(arch: Mapping[str, Any], cp: int, world_size: int) -> None:
 def resolve_ring(cfg) -> tuple[int, str]:
     """parallelism.ring (auto | N) -> (ring, why); refuses a ring that cp or the heads do not allow. Called by
     validate(). Packing, sliding windows and sinks run under any ring (ds_ulysses_ext/attention/ring.py)."""
-    par, arch = cfg.parallelism, cfg.model.arch
+    par, (arch, at) = cfg.parallelism, decoder_arch(cfg.model.arch)
     cp, text = par.cp, str(par.ring).strip().lower()
     require(text == "auto" or (text.isdigit() and int(text) >= 1),
             f"parallelism.ring={par.ring} is neither auto nor a positive integer; set parallelism.ring=auto or a "
@@ -167,8 +168,8 @@ def resolve_ring(cfg) -> tuple[int, str]:
     require(
         ring in valid,
         f"parallelism.ring={ring} with parallelism.cp={cp}: the ring must divide cp and leave Ulysses groups of "
-        f"cp / ring ranks that split the heads (model.arch.num_attention_heads={num_q}, "
-        f"model.arch.num_key_value_heads={num_kv}); choose parallelism.ring in "
+        f"cp / ring ranks that split the heads ({at}num_attention_heads={num_q}, "
+        f"{at}num_key_value_heads={num_kv}); choose parallelism.ring in "
         f"{fmt(valid)} or parallelism.ring=auto",
     )
     return ring, why

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from configs.conditional import check_conditional_keys
 from configs.data import BAD_LINE_POLICIES, DATA_FORMATS, DATA_SOURCES, OVERLONG_POLICIES, check_data
 from configs.errors import one_of, require
+from configs.linear_attention import check_linear_attention
 from configs.log import WANDB_MODES, check_logging
 from configs.memory import RECOMPUTE_METHODS, RECOMPUTE_POLICIES, check_memory
 from configs.model import ATTN_BACKENDS, MODEL_SOURCES, SUPPORTED_FAMILIES, check_model, check_positions, check_rope
@@ -55,6 +56,7 @@ def validate(cfg: TrainConfig, world_size: int) -> Plan:
     check_eval(cfg)
     check_memory(cfg.memory, cfg.model.arch)
     check_deepspeed(cfg, world_size)
+    check_linear_attention(cfg, world_size)  # before the head and ring rules: they do not know linear layers
     dp = check_parallelism(cfg, world_size)
     ring, ring_reason = resolve_ring(cfg)
     check_moe(cfg, world_size)

@@ -7,6 +7,7 @@
 - registers one attention function, "ds_ulysses", with transformers' AttentionInterface and switches
   the model to it. The function reads the CP group from a state object attached to each attention
   module, so the topology is passed explicitly and never stored in a module global;
+- freezes a vision-language family's vision tower (models.py `vision`: its language model trains on text);
 - refuses `generate()` and multimodal inputs under CP, and on every forward checks that every row of the
   input really is this rank's sequence chunk (its position_ids are those of chunk cp_rank: global positions,
   or with packed documents the in-document positions the global boundaries give) with one small all_gather
@@ -15,6 +16,8 @@
   left-padded 2D mask, HF's flash varlen kwargs, anything unknown);
 - with topology.ring_size > 1 runs ring / hybrid attention (ring.py) on the zigzag layout (zigzag.py), whose
   positions the row check expects (packed rows too); documents, windows and sinks go to it as to Ulysses.
+- binds the Ulysses forward of a family's linear-attention layers (Qwen3.5 / Qwen3-Next gated DeltaNet, Ling-3.0
+  KDA) on each of those modules (linear_attention/bind.py; no HF class is patched), and refuses a ring for them.
 
 HF attention layout: query [B, Hq, s, D], key/value [B, Hkv, s, D] (RoPE already applied on the local
 chunk with global positions); the function returns ([B, s, Hq, D], None).
@@ -32,7 +35,8 @@ from .attention.ring import ring_attention
 from .attention.ulysses import ulysses_attention
 from .attention.zigzag import rank_positions
 from .errors import UnsupportedError
-from .models import check_model_config
+from .linear_attention import bind_linear_attention, linear_mixers, refuse_ring
+from .models import SUPPORTED, check_model_config, text_config_of
 from .rope import ROPE_LENGTH_KEY, check_rope, share_global_length
 from .topology import Topology
 
@@ -40,7 +44,9 @@ log = logging.getLogger(__name__)
 
 ATTN_NAME = "ds_ulysses"
 MULTIMODAL_KEYS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw",
-                   "input_features", "audio_values", "image_sizes")
+                   "input_features", "audio_values", "image_sizes",
+                   # what Qwen3-VL's model hands its language model for images (deepstack): refused there too
+                   "visual_pos_masks", "deepstack_visual_embeds")
 
 
 @dataclass
@@ -219,14 +225,21 @@ def _first_forward_check(state: CPState):
     def hook(module, args, kwargs):
         for key in MULTIMODAL_KEYS:
             if kwargs.get(key) is not None:
-                raise UnsupportedError(f"multimodal input {key!r} is not supported under context parallelism; "
-                                       "train the text model only or run with parallelism.cp=1")
+                raise UnsupportedError(f"multimodal input {key!r} is not supported under context parallelism (a "
+                                       "vision-language checkpoint trains its language model on text here): drop the "
+                                       "images / videos from the batch (text only), or train with images at "
+                                       "parallelism.cp=1 in your own loop, without enable_context_parallel")
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         inputs = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
         position_ids = kwargs.get("position_ids")
         if position_ids is None:
             raise UnsupportedError("under context parallelism the model needs global position_ids; "
                                    "feed the batch produced by shard_batch()")
+        if position_ids.dim() > 2:
+            # Qwen3-VL's [3 or 4, B, s] multimodal positions: for text every stream is the token's position
+            raise UnsupportedError(f"position_ids of shape {tuple(position_ids.shape)}: under context parallelism "
+                                   "the model takes [B, s] position_ids (text positions; a VL model's multimodal "
+                                   "streams are equal on text). Feed the batch produced by shard_batch()")
         mask2d = kwargs.get("attention_mask")
         mask2d = mask2d if isinstance(mask2d, torch.Tensor) and mask2d.dim() == 2 else None
         _check_every_row(state, position_ids, inputs.shape[1], inputs.shape[0], kwargs.get(CU_SEQLENS_KEY), mask2d)
@@ -260,19 +273,37 @@ def attention_modules(model) -> list[torch.nn.Module]:
     if layers is None:
         raise UnsupportedError(f"{type(model).__name__}'s decoder has no `layers`; context parallelism needs "
                                "the decoder layer list to find the attention modules")
-    missing = [i for i, layer in enumerate(layers) if not isinstance(getattr(layer, "self_attn", None), torch.nn.Module)]
+    linear = linear_mixers(model)  # linear-attention layers: bound by linear_attention/, not attention modules
+    missing = [i for i, layer in enumerate(layers)
+               if i not in linear and not isinstance(getattr(layer, "self_attn", None), torch.nn.Module)]
     if missing:
         raise UnsupportedError(f"decoder layers {missing} of {type(model).__name__} have no `self_attn` attention "
                                "module, so context parallelism cannot split them; run with parallelism.cp=1")
-    return [layer.self_attn for layer in layers]
+    return [layer.self_attn for i, layer in enumerate(layers) if i not in linear]
+
+
+def _freeze_vision_tower(model) -> None:
+    """A VL family trains its language model on text (images are refused): the parameters outside the decoder and the
+    head (the vision tower and its merger) never run, so they are frozen, and no optimizer decays them or keeps their
+    state; they are exported as loaded."""
+    used = {id(p) for m in (model.get_decoder(), model.get_output_embeddings()) for p in m.parameters()}
+    frozen = [p for p in model.parameters() if id(p) not in used]
+    for p in frozen:
+        p.requires_grad_(False)
+    log.info("%s: %d parameters outside the language model (the vision tower) frozen: text-only training never runs "
+             "them", type(model).__name__, sum(p.numel() for p in frozen))
 
 
 def enable_context_parallel(model, topology: Topology, backend: str = "auto"):
     """Install exact Ulysses (or with topology.ring_size > 1 ring / hybrid) attention into a supported HF causal LM."""
     if topology.ring_size > 1:
+        # linear-attention layers need whole sequences per head: no ring (linear_attention/checks.py)
+        family = SUPPORTED.get(getattr(model.config, "model_type", None))
+        if family is not None and family.linear:
+            refuse_ring(text_config_of(model.config), topology.ring_size, family.mla)
         # the heads split over the Ulysses group only; the ring keeps every head of its share
         check_model_config(model.config, topology.ulysses_size)
-        check_rope(model.config, topology.cp_size)
+        check_rope(text_config_of(model.config), topology.cp_size)
     else:
         check_model_config(model.config, topology.cp_size)
     _register_attention()
@@ -284,6 +315,9 @@ def enable_context_parallel(model, topology: Topology, backend: str = "auto"):
     for m in modules:
         m._cp_state = state
     model._cp_state = state
+    bind_linear_attention(model, state)  # linear-attention layers (models.py `linear`): the Ulysses forward, per instance
+    if SUPPORTED[model.config.model_type].vision:
+        _freeze_vision_tower(model)
     share_global_length(model, topology, state)  # dynamic / longrope RoPE read the length: give them the batch's
     # on the decoder, so the check runs whether the caller goes through the LM head or not (lm.py)
     model.get_decoder().register_forward_pre_hook(_first_forward_check(state), with_kwargs=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from .errors import UnsupportedError
 from .loss import chunk_tokens, chunked_lm_loss_sum, fusable, linear_cross_entropy_sum
 
 
@@ -62,6 +63,14 @@ class CPCausalLM(torch.nn.Module):
         head = hf_model.get_output_embeddings()
         vocab = getattr(head, "out_features", None) or hf_model.config.vocab_size
         self.head_loss = HeadLoss(head, chunk_tokens(loss_chunk_size, vocab), fused_loss, head_kernel, fused_rows)
+        # Cohere's forward multiplies the logits by `logit_scale`; the head is linear without bias, so the hidden state
+        # is scaled instead and every head (chunked, fused, a kernel's) sees it. Cohere2-MoE's 0.0625 is a power of 2:
+        # the same bits either way
+        self.logit_scale = float(getattr(hf_model, "logit_scale", 1.0))
+        if self.logit_scale != 1.0 and getattr(head, "bias", None) is not None:
+            raise UnsupportedError(f"{type(hf_model).__name__} scales its logits by logit_scale={self.logit_scale} "
+                                   "and its lm_head has a bias, which scaling the hidden state would not scale; "
+                                   "such a head is not supported")
 
     @property
     def config(self):
@@ -85,4 +94,6 @@ class CPCausalLM(torch.nn.Module):
                                                **model_inputs).last_hidden_state
         finally:
             self.moe_aux_share = moe.end() if moe is not None else None
+        if self.logit_scale != 1.0:
+            hidden_BsH = hidden_BsH * self.logit_scale
         return self.head_loss(hidden_BsH, labels)

@@ -4,6 +4,8 @@ A family is supported when its attention goes through transformers' attention in
 applied inside the attention module (so the local chunk uses its global position_ids) and a causal mask.
 Sliding windows and attention sinks reach the CP attention as the `sliding_window` and `s_aux` kwargs that
 these families' attention modules pass, and run exactly there (masks.py); every family below passes them.
+A family with linear-attention layers (`linear`: Qwen3.5 / 3.6, Qwen3-Next, Ling-3.0) runs those under Ulysses too,
+bound per instance by ds_ulysses_ext/linear_attention (whole sequences per head after the exchange; no ring).
 
 SUPPORTED is the one list of families: configs/model.py reads it, so `validate` and the model build cannot
 disagree. Adding a family is one `Family(...)` line here; `moe` marks families with expert layers (the config
@@ -15,6 +17,10 @@ cp > 1 (tests/test_model_features.py lists the fields and the tests that cover e
 training: HF's router loss (output_router_logits), attention dropout, an explicit `is_causal` (false asks HF for
 bidirectional attention, which CP never runs), sliding layers without a window (HF refuses them, CP would run them
 full), and the RoPE types rope.py does not know.
+
+A vision-language family (`vision`: Qwen3-VL) is checked on its text config (`text_config_of`), the decoder CP splits;
+its length-dependent RoPE types are refused (the global-length rotary takes [B, s] positions, the multimodal one
+[3, B, s]).
 """
 from __future__ import annotations
 
@@ -23,7 +29,8 @@ from dataclasses import dataclass
 
 from .attention.layout import kv_replication
 from .errors import UnsupportedError
-from .rope import check_rope
+from .linear_attention.checks import check_linear_layers
+from .rope import check_rope, depends_on_length, rope_parameters_of, rope_types
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +46,12 @@ class Family:
     # multi-head latent attention (DeepSeek-V3's MLA): k and v come out of a per-token latent with one head per query
     # head (num_key_value_heads is not what the attention gets), q/k of nope + rope dims, v of its own (Dv != D)
     mla: bool = False
+    # a vision-language checkpoint whose language model trains on text: the model is HF's whole ForConditionalGeneration
+    # (hf_classes.py), its text config holds the decoder's shape, and the vision tower, which text never runs, is frozen
+    vision: bool = False
+    # the kind of a family's linear-attention layers ("gated_deltanet" | "kda"; "" for none), interleaved with its full
+    # attention: run under Ulysses by ds_ulysses_ext/linear_attention (whole sequences per head after the exchange)
+    linear: str = ""
 
 
 SUPPORTED = {f.model_type: f for f in (
@@ -55,11 +68,35 @@ SUPPORTED = {f.model_type: f for f in (
     Family("glm4_moe_lite", moe=True, mla=True,
            notes="MLA as DeepSeek-V3: k/v up-projected per token before the exchange"),
     Family("glm4_moe", moe=True, notes="GQA with partial RoPE, rotated on each chunk's global positions"),
+    Family("mistral4", moe=True, mla=True,
+           notes="MLA as DeepSeek-V3; the Llama-4 query scale reads each token's global position; its softmax "
+                 "group-limited router runs in our block"),
+    Family("cohere2_moe", moe=True,
+           notes="sliding layers (interleaved RoPE) run their window in the CP attention, global layers no RoPE; "
+                 "parallel attention + MLP; logit_scale applied in the loss head"),
+    Family("qwen3_vl", vision=True,
+           notes="the language model of the VL checkpoint on text: its three mrope position streams are the text "
+                 "positions, so each chunk rotates at its global positions; vision tower frozen, images refused"),
+    Family("qwen3_vl_moe", moe=True, vision=True,
+           notes="as qwen3_vl, with the Qwen3-MoE block (softmax top-k, always renormalised) as our block"),
+    # linear attention interleaved with gated full attention (ds_ulysses_ext/linear_attention, docs/linear_attention.md)
+    Family("qwen3_5_text", linear="gated_deltanet",
+           notes="Qwen3.5 / 3.6 text: gated DeltaNet layers exchanged per head (conv + delta rule on whole sequences, "
+                 "reset at each packed document), gated full attention with partial RoPE and q/k norms; no ring"),
+    Family("qwen3_5_moe_text", moe=True, linear="gated_deltanet",
+           notes="as qwen3_5_text, with its MoE (softmax top-k renormalised, a sigmoid-gated shared expert) as our "
+                 "block"),
+    Family("qwen3_next", moe=True, linear="gated_deltanet",
+           notes="gated DeltaNet (q/k/v/z packed per key-head group) as qwen3_5_text; MoE with a sigmoid-gated shared "
+                 "expert as our block; no ring"),
+    Family("bailing_hybrid", moe=True, mla=True, linear="kda",
+           notes="Ling-3.0: Kimi delta attention layers (a decay per key channel) exchanged per head, MLA full "
+                 "attention with a per-head output gate; its DeepSeek-style MoE as our block; no ring"),
 )}
 
 
 # families whose attention modules read `layer_types`: a "sliding_attention" layer takes config.sliding_window
-LAYER_TYPE_FAMILIES = ("qwen2", "qwen3", "gpt_oss")
+LAYER_TYPE_FAMILIES = ("qwen2", "qwen3", "gpt_oss", "cohere2_moe")
 
 
 def check_attention_config(config) -> None:
@@ -97,6 +134,12 @@ def check_attention_config(config) -> None:
                 + ", or mark those layers full_attention")
 
 
+def text_config_of(config):
+    """The config of the decoder CP splits: a VL model's text config, any other model's own."""
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
+
+
 def check_model_config(config, cp: int) -> None:
     """Refuse a model config that CP cannot run exactly, naming the problem and the fix."""
     model_type = getattr(config, "model_type", None)
@@ -106,19 +149,28 @@ def check_model_config(config, cp: int) -> None:
             f"{sorted(SUPPORTED)}. Use one of those or run with parallelism.cp=1")
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedError("encoder-decoder models are not supported under context parallelism")
-    if getattr(config, "output_router_logits", False):
+    text = text_config_of(config)  # a VL family's decoder shape, attention and RoPE are its text config's
+    if getattr(text, "output_router_logits", False):
         # CPCausalLM calls the decoder and computes the loss itself: HF's router loss would be dropped silently
         raise UnsupportedError(
             "output_router_logits=true asks for HF's load-balancing loss, which CPCausalLM does not compute (and which "
             "pools the batch and every layer, so it would change with the cp split). Set output_router_logits=false; "
             "for a balance loss use enable_expert_parallel (moe.balance=aux), whose per-sequence loss is exact under cp")
-    check_attention_config(config)
-    check_rope(config, cp)
-    num_q = config.num_attention_heads
-    num_kv = getattr(config, "num_key_value_heads", None) or num_q
+    if SUPPORTED[model_type].vision and depends_on_length(rope_parameters_of(text)):
+        # the global-length rotary (rope.py) takes [B, s] positions; the multimodal rotary is handed [3, B, s]
+        raise UnsupportedError(
+            f"{model_type} with rope_type {rope_types(rope_parameters_of(text))}: a length-dependent RoPE under the "
+            "multimodal rotary is not checked under context parallelism. Set text_config.rope_parameters.rope_type "
+            "to default (what the Qwen3-VL checkpoints ship), or run with parallelism.cp=1")
+    check_attention_config(text)
+    check_rope(text, cp)
+    num_q = text.num_attention_heads
+    num_kv = getattr(text, "num_key_value_heads", None) or num_q
     if SUPPORTED[model_type].mla:
         num_kv = num_q  # kv_b_proj makes one k and one v per query head, whatever num_key_value_heads says
     kv_replication(num_q, num_kv, cp)  # raises with the valid cp values
+    if SUPPORTED[model_type].linear:
+        check_linear_layers(text, cp)  # the linear layers' heads split too (linear_attention/heads.py)
     if SUPPORTED[model_type].notes:
         log.info("%s under context parallelism (cp=%d): %s", model_type, cp, SUPPORTED[model_type].notes)
 

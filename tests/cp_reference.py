@@ -1,4 +1,5 @@
-"""Shared by the packing and window/sink tests: one CP step's loss and CP-summed gradients, and rel error."""
+"""Shared by the packing and window/sink tests: one CP step's loss and CP-summed gradients, rel error, and a model's
+gradients for a reference (grads_of)."""
 import torch
 import torch.distributed as dist
 
@@ -7,6 +8,11 @@ from ds_ulysses_ext import CPCausalLM, shard_batch
 
 def rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def grads_of(model) -> dict:
+    """Every parameter's gradient; zeros where none came (a VL model's vision tower, which text never runs)."""
+    return {n: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for n, p in model.named_parameters()}
 
 
 def cp_loss_and_grads(model, topo, batch: dict, chunk: int = 3):

@@ -59,7 +59,8 @@ _PREIMPORT = ("deepspeed.runtime.engine", "deepspeed.runtime.zero.stage3", "deep
               "deepspeed.module_inject.auto_ep_layer", "ds_ulysses_ext.moe.latent_model",
               "engine.run.train", "matplotlib.pyplot", "matplotlib.backends.backend_agg",
               *(f"transformers.models.{f}.modeling_{f}" for f in ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe",
-                                                                  "gpt_oss", "deepseek_v3", "glm4_moe", "glm4_moe_lite")))
+                                                                  "gpt_oss", "deepseek_v3", "glm4_moe", "glm4_moe_lite",
+                                                                  "mistral4", "cohere2_moe", "qwen3_vl", "qwen3_vl_moe")))
 
 
 @functools.lru_cache(maxsize=None)  # once per test process

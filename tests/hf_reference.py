@@ -26,7 +26,7 @@ def first_step(overrides: list[str]) -> dict:
     cfg = compose_config([o for o in overrides if o.split("=")[0] not in keys] + forced)
     model = build_hf_model(cfg, to_deepspeed_dict(cfg, validate(cfg, 1)))  # the plain module: ZeRO-2 builds no
     init = {n: p.detach().clone() for n, p in model.named_parameters()}   # zero.Init
-    vocab = hf_config_of(cfg.model).vocab_size
+    vocab = hf_config_of(cfg.model).get_text_config().vocab_size  # a VL checkpoint's: its text config's
     dataset, _, tokenizer = build_dataset(cfg.data, seed=cfg.run.seed, vocab_size=vocab)
     t = cfg.trainer
     indices = GlobalBatchSampler(len(dataset), t.global_batch_size, cfg.run.seed).indices_for_step(0)
@@ -45,7 +45,8 @@ def first_step(overrides: list[str]) -> dict:
     lr = t.lr * (1.0 / t.warmup_steps if t.warmup_steps > 0 else 1.0)
     opt = torch.optim.AdamW(params, lr=lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                             weight_decay=t.weight_decay)
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    # a VL model's vision tower gets none (text never runs it), and AdamW leaves it as it is
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     opt.step()
     return {"loss": float(loss.detach()), "grad_norm": float(grad_norm), "lr": lr, "grads": grads, "init": init,
             "weights": {n: p.detach().clone() for n, p in model.named_parameters()}}

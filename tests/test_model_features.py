@@ -25,11 +25,12 @@ from transformers import AutoModelForCausalLM, GptOssConfig
 
 from cp_check import assert_share_matches_unsplit
 from dist_harness import run_ranks
-from moe_check import assert_moe_split_matches, moe_batch
+from cp_reference import grads_of
+from moe_check import assert_moe_split_matches, hf_moe_reference, moe_batch
 from ds_ulysses_ext import CPCausalLM, Topology, enable_context_parallel, init_topology, shard_batch
 from ds_ulysses_ext.moe import AllToAllDispatcher, MoEContext, moe_blocks
 from ds_ulysses_ext.moe.parallel import MoESettings, enable_expert_parallel
-from tiny_models import tiny_model
+from tiny_models import _YARN4, FAMILIES_2026, tiny_model
 
 # field: where it is covered at cp > 1, refused, or why it cannot change the math (transformers 5.22)
 AUDIT = {
@@ -46,7 +47,9 @@ AUDIT = {
     "mlp_bias": "llama_mlp_bias",
     "attention_bias": "*_attention_bias, gpt_oss_no_attention_bias, qwen3_moe_bias_tied (qwen2's fixed q/k/v biases: "
                       "tests/test_hf_cp.py)",
-    "tie_word_embeddings": "*_tied; tests/test_engine.py (engine layouts)",
+    "tie_word_embeddings": "*_tied; tests/test_engine.py (engine layouts); Qwen3-VL: the VL config's own flag "
+                           "(qwen3_vl_tied, qwen3_vl_moe_tied), its text config's is never read; inert for "
+                           "bailing_hybrid (HF's Ling-3.0 class ties nothing: no _tied_weights_keys)",
     "rope_parameters": "tests/test_rope.py (all seven types; partial_rotary_factor in `proportional`, which HF's "
                        "other types fail on loudly, split or not), *_rope here; unknown types refused (check_rope, "
                        "validate)",
@@ -58,7 +61,9 @@ AUDIT = {
                    "a window refused (check_attention_config); HF's Mistral ignores it",
     "attention_dropout": "refused (check_attention_config, validate): see the module docstring",
     "pretraining_tp": "inert: transformers 5.22's Llama never reads it",
-    "norm_topk_prob": "qwen3_moe_norm_topk_prob_false, latent_moe_no_shared_no_norm; true: tests/test_moe_model.py",
+    "norm_topk_prob": "qwen3_moe_norm_topk_prob_false, latent_moe_no_shared_no_norm, mistral4_groups, "
+                      "cohere2_moe_sigmoid_no_norm; true: tests/test_moe_model.py; Qwen3-VL-MoE's router never "
+                      "reads it (false refused: hf_moe_spec)",
     "mlp_only_layers": "qwen3_moe_mlp_only_layers, latent_moe_mlp_only_layers",
     "decoder_sparse_step": "qwen3_moe_decoder_sparse_step",
     "num_experts": "tests/test_moe_model.py, test_moe_layer.py; ep must divide it (validate)",
@@ -73,24 +78,70 @@ AUDIT = {
     "shared_expert_intermediate_size": "latent_moe_no_shared_no_norm; tests/test_moe_engine.py (the preset has one)",
     # DeepSeek-V3 / GLM-4-MoE-Lite (MLA) and GLM-4-MoE: tests/test_mla_cp.py (cp 2, 4, ring 2, 2 x 2, packed) with
     # q/k head dim 12 != v's 8, and the cases below
-    "q_lora_rank": "deepseek_v3_no_q_lora, glm4_moe_lite_no_q_lora; 16 in every tiny MLA model",
+    "q_lora_rank": "deepseek_v3_no_q_lora, glm4_moe_lite_no_q_lora, mistral4_no_q_lora; 16 in every tiny MLA model",
     "kv_lora_rank": "shape (per token, before the exchange)", "qk_nope_head_dim": "tests/test_mla_cp.py (8)",
     "qk_rope_head_dim": "tests/test_mla_cp.py (4: k's rope part shared by the heads, rotated before the exchange)",
     "v_head_dim": "tests/test_mla_cp.py (8 != q/k's 12: the exchange, masks, ring blocks and merge take it)",
-    "rope_interleave": "deepseek_v3_rope_not_interleaved; true in every tiny MLA model",
-    "first_k_dense_replace": "deepseek_v3_all_dense, glm4_moe_first_k_dense_0; 1 in the tiny models (the dense "
-                             "layer stays HF's at ep > 1: tests/test_moe_deepseek.py)",
+    "rope_interleave": "deepseek_v3_rope_not_interleaved, mistral4_rope_not_interleaved; true in every tiny MLA model",
+    "first_k_dense_replace": "deepseek_v3_all_dense, glm4_moe_first_k_dense_0, mistral4_all_dense; 1 in the tiny "
+                             "models (the dense layer stays HF's at ep > 1: tests/test_moe_deepseek.py)",
     "mlp_layer_types": "glm4_moe_lite_mlp_layer_types; tests/test_moe_deepseek.py (dense, sparse at ep 2)",
     "n_routed_experts": "tests/test_mla_cp.py (8); ep must divide it (validate)",
     # the MoE fields at ep > 1 through our block: tests/test_moe_deepseek.py (the block against HF's with groups on
     # and off, norm false, scaling 1 and 2.5, two shared experts; whole models at cp x ep 2x2, 4x4, 4x2, ring 2)
-    "n_shared_experts": "deepseek_v3_two_shared; tests/test_moe_deepseek.py (2 in the block test)",
-    "n_group": "deepseek_v3_groups; tests/test_moe_deepseek.py (2 and 4 groups)",
-    "topk_group": "deepseek_v3_groups; tests/test_moe_deepseek.py; refused where HF's rule cannot run (router.py)",
-    "routed_scaling_factor": "deepseek_v3_groups; tests/test_moe_deepseek.py (2.5)",
+    "n_shared_experts": "deepseek_v3_two_shared, mistral4_two_shared; tests/test_moe_deepseek.py (2 in the block test)",
+    "n_group": "deepseek_v3_groups, mistral4_groups (softmax scores); tests/test_moe_deepseek.py (2 and 4 groups)",
+    "topk_group": "deepseek_v3_groups, mistral4_groups; tests/test_moe_deepseek.py; refused where HF's rule cannot run "
+                  "(router.py)",
+    "routed_scaling_factor": "deepseek_v3_groups, mistral4_groups; tests/test_moe_deepseek.py (2.5), "
+                             "tests/test_families_2026.py (2.5)",
     "use_qk_norm": "glm4_moe_no_qk_norm; true in the tiny model",
     "num_mtp_layers": "inert: transformers 5.22 builds no multi-token-prediction layers (their weights are dropped "
                       "at load)",
+    # Issue 40's families (tests/test_families_2026.py: cp 2 and 4, ring 2 and 2 x 2, cp x ep, packed, for each).
+    # Mistral4's fields are DeepSeek-V3's (rows above); in its rope_parameters, llama_4_scaling_beta and
+    # original_max_position_embeddings scale each query by its global position: mistral4_llama4_scale (also ring 2)
+    "logit_scale": "cohere2_moe_logit_scale (0.3, not a power of 2); 0.0625 in the tiny model; the loss head "
+                   "applies it (lm.py; tests/test_families_2026.py)",
+    "layer_norm_eps": "per token (Cohere2-MoE's mean-centred LayerNorm when rms_norm_eps is unset, as in the tiny "
+                      "model; cohere2_moe_rms_norm for the RMSNorm)",
+    "rope_theta": "cohere2_moe_rope_theta (Cohere2-MoE's own spelling, folded into rope_parameters)",
+    "rope_scaling": "inert: transformers 5.22's Cohere2-MoE keeps it as a field it never folds into rope_parameters "
+                    "(tests/test_families_2026.py shows the logits unchanged)",
+    "num_shared_experts": "cohere2_moe_no_shared; 1 in the tiny model",
+    "shared_expert_combination_strategy": "cohere2_moe_sum; average in the tiny model; others refused (hf_moe_spec)",
+    "expert_selection_fn": "cohere2_moe_sigmoid, cohere2_moe_sigmoid_no_norm; softmax in the tiny model; others "
+                           "refused (hf_moe_spec)",
+    "prefix_dense_intermediate_size": "cohere2_moe_dense_prefix_rope, cohere2_moe_dense_prefix",
+    "prefix_dense_sliding_window_pattern": "cohere2_moe_dense_prefix_rope (1: a global dense layer with RoPE), "
+                                           "cohere2_moe_prefix_pattern (2: derived layer types, no forced RoPE)",
+    "sliding_window_pattern": "cohere2_moe_all_global, cohere2_moe_prefix_pattern; explicit layer_types in the tiny "
+                              "model",
+    # Qwen3-VL(-MoE): the VL config around a text config, whose fields are the rows above (its mrope_section and
+    # mrope_interleaved, inside rope_parameters, cannot act on text: tests/test_families_2026.py shows it bitwise)
+    "text_config": "qwen3_vl_attention_bias, qwen3_vl_tied, qwen3_vl_moe_*; the decoder's shape, attention and "
+                   "RoPE are its (models.py text_config_of)",
+    "vision_config": "inert under CP: text never runs the vision tower, which is frozen (integrate.py); images are "
+                     "refused with the fix named",
+    "image_token_id": "inert on text: only the multimodal forward reads it (images refused)",
+    "video_token_id": "inert on text, as image_token_id", "vision_start_token_id": "inert on text, as image_token_id",
+    "vision_end_token_id": "inert on text, as image_token_id",
+    # Linear attention interleaved with full attention (tests/test_linear_attention_cp.py: cp 2 and 4 against stock HF,
+    # packed rows against each document alone, cp x ep through our MoE block, the train script), and the cases below
+    "linear_num_key_heads": "tests/test_linear_attention_cp.py (2, copied to 2 ranks at cp 4); a cp that neither "
+                            "splits nor copies them refused (check_model_config, validate)",
+    "linear_num_value_heads": "tests/test_linear_attention_cp.py (4); cp must divide them (check_model_config, "
+                              "validate)",
+    "linear_key_head_dim": "tests/test_linear_attention_cp.py (8)",
+    "linear_value_head_dim": "tests/test_linear_attention_cp.py (6, not the key dim: a swapped dim fails)",
+    "linear_conv_kernel_dim": "shape (4 in the tiny models: the conv runs per channel on whole sequences, from zero at "
+                              "each document; tests/test_linear_attention_cp.py)",
+    "short_conv_kernel_size": "Ling-3.0's spelling of linear_conv_kernel_dim (its config copies it there)",
+    "kda_safe_gate": "bailing_hybrid_unsafe_gate; true in the tiny model",
+    "kda_lower_bound": "bailing_hybrid_lower_bound; -5 in the tiny model",
+    "layer_group_size": "bailing_hybrid_layer_group_size (layer_types derived from it); explicit in the tiny model",
+    "mtp_loss_scaling_factor": "inert: transformers 5.22's Ling-3.0 builds no multi-token-prediction layers and never "
+                               "reads it",
     # not a dataclass field but a switch transformers reads from any config (masking_utils, utils/generic.py)
     "is_causal": "refused (check_attention_config, validate): false would make HF bidirectional",
 }
@@ -106,7 +157,7 @@ LONGROPE = {"rope_parameters": {"rope_type": "longrope", "short_factor": [1.0, 1
 
 
 def _layers(m):
-    return m.model.layers
+    return m.get_decoder().layers  # a VL model's: its language model's
 
 
 def _params(m):
@@ -118,11 +169,11 @@ def _windows(m):
 
 
 def _tied(m):
-    return m.lm_head.weight is m.model.embed_tokens.weight
+    return m.lm_head.weight is m.get_input_embeddings().weight
 
 
 def _rope(m, rope_type):
-    return m.model.rotary_emb.rope_type == rope_type and S > m.config.max_position_embeddings
+    return m.get_decoder().rotary_emb.rope_type == rope_type and S > m.config.max_position_embeddings
 
 
 # name: (family, overrides, premise on the unsplit model, changes the parameter set: then the compared names show it)
@@ -195,8 +246,76 @@ DENSE = {
                              lambda m: m.model.rotary_emb.inv_freq.numel() == 4, False),
     "glm4_moe_first_k_dense_0": ("glm4_moe", {"first_k_dense_replace": 0},
                                  lambda m: "model.layers.0.mlp.gate.weight" in _params(m), True),
+    # issue 40's families with HF's own MoE blocks (every layout: tests/test_families_2026.py); through ours: MOE below
+    "mistral4_no_q_lora": ("mistral4", {"q_lora_rank": None},
+                           lambda m: "model.layers.0.self_attn.q_proj.weight" in _params(m), True),
+    "mistral4_rope_not_interleaved": ("mistral4", {"rope_interleave": False},
+                                      lambda m: m.config.rope_interleave is False, False),
+    "mistral4_llama4_scale": ("mistral4", {"rope_parameters": {**_YARN4, "llama_4_scaling_beta": 0.5}},
+                              lambda m: m.config.rope_parameters["llama_4_scaling_beta"] == 0.5, False),
+    "mistral4_attention_bias": ("mistral4", {"attention_bias": True},
+                                lambda m: "model.layers.0.self_attn.o_proj.bias" in _params(m), True),
+    "mistral4_all_dense": ("mistral4", {"first_k_dense_replace": 2},
+                           lambda m: "model.layers.1.mlp.gate.weight" not in _params(m), True),
+    "cohere2_moe_rms_norm": ("cohere2_moe", {"rms_norm_eps": 1e-5},
+                             lambda m: type(_layers(m)[0].input_layernorm).__name__.endswith("RMSNorm"), False),
+    "cohere2_moe_all_global": ("cohere2_moe", {"layer_types": None, "sliding_window_pattern": 1},
+                               lambda m: _windows(m) == [None, None], False),
+    "cohere2_moe_dense_prefix_rope": ("cohere2_moe", {"mlp_layer_types": ["dense", "sparse"],
+                                                      "prefix_dense_intermediate_size": 24,
+                                                      "layer_types": ["full_attention", "full_attention"]},
+                                      lambda m: _layers(m)[0].self_attn.force_rope and _windows(m) == [None, None],
+                                      True),
+    "cohere2_moe_prefix_pattern": ("cohere2_moe", {"first_k_dense_replace": 1, "mlp_layer_types": None,
+                                                   "layer_types": None, "prefix_dense_sliding_window_pattern": 2,
+                                                   "sliding_window_pattern": 1, "prefix_dense_intermediate_size": 24},
+                                   lambda m: _windows(m) == [4, None] and not _layers(m)[0].self_attn.force_rope, True),
+    "cohere2_moe_logit_scale": ("cohere2_moe", {"logit_scale": 0.3}, lambda m: m.logit_scale == 0.3, False),
+    "cohere2_moe_rope_theta": ("cohere2_moe", {"rope_theta": 100.0},
+                               lambda m: m.config.rope_parameters["rope_theta"] == 100.0, False),
+    # both layers rotated: a NoPE layer's k bias shifts every score of a query alike, so its exact gradient is 0 and
+    # a relative comparison would compare rounding noise
+    "cohere2_moe_attention_bias": ("cohere2_moe", {"attention_bias": True,
+                                                   "layer_types": ["sliding_attention", "sliding_attention"]},
+                                   lambda m: "model.layers.1.self_attn.k_proj.bias" in _params(m), True),
+    "cohere2_moe_tied": ("cohere2_moe", {"tie_word_embeddings": True}, _tied, True),
+    "qwen3_vl_attention_bias": ("qwen3_vl", {"attention_bias": True},
+                                lambda m: "model.language_model.layers.0.self_attn.o_proj.bias" in _params(m), True),
+    "qwen3_vl_tied": ("qwen3_vl", {"tie_word_embeddings": True}, _tied, True),
+    "qwen3_vl_moe_tied": ("qwen3_vl_moe", {"tie_word_embeddings": True}, _tied, True),
+    # linear attention interleaved with full attention (tests/tiny_models.py LINEAR_FAMILIES), HF's own MoE blocks
+    "qwen3_5_text_layer_types": ("qwen3_5_text", {"layer_types": ["full_attention", "linear_attention",
+                                                                  "linear_attention"]},
+                                 lambda m: [hasattr(layer, "linear_attn") for layer in _layers(m)] == [False, True, True],
+                                 True),
+    "qwen3_5_text_gelu": ("qwen3_5_text", {"hidden_act": "gelu_pytorch_tanh"},  # the conv's activation too
+                          lambda m: _layers(m)[0].linear_attn.activation == "gelu_pytorch_tanh", False),
+    "qwen3_5_text_full_rotary": ("qwen3_5_text", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                                      "partial_rotary_factor": 1.0}},
+                                 lambda m: m.model.rotary_emb.inv_freq.numel() == 4, False),
+    "qwen3_5_text_attention_bias": ("qwen3_5_text", {"attention_bias": True},
+                                    lambda m: "model.layers.1.self_attn.o_proj.bias" in _params(m), True),
+    "qwen3_5_text_tied": ("qwen3_5_text", {"tie_word_embeddings": True}, _tied, True),
+    "qwen3_5_moe_text_tied": ("qwen3_5_moe_text", {"tie_word_embeddings": True}, _tied, True),
+    "qwen3_next_mlp_only_layers": ("qwen3_next", {"mlp_only_layers": [0]},
+                                   lambda m: not hasattr(_layers(m)[0].mlp, "experts"), True),
+    "qwen3_next_decoder_sparse_step": ("qwen3_next", {"decoder_sparse_step": 2},
+                                       lambda m: [hasattr(layer.mlp, "experts") for layer in _layers(m)]
+                                       == [False, True, False], True),
+    "qwen3_next_norm_topk_prob_false": ("qwen3_next", {"norm_topk_prob": False},
+                                        lambda m: not _layers(m)[0].mlp.gate.norm_topk_prob, False),
+    "bailing_hybrid_unsafe_gate": ("bailing_hybrid", {"kda_safe_gate": False},
+                                   lambda m: not _layers(m)[0].self_attn.forget_gate.safe_gate, False),
+    "bailing_hybrid_lower_bound": ("bailing_hybrid", {"kda_lower_bound": -2.0},
+                                   lambda m: _layers(m)[0].self_attn.forget_gate.lower_bound == -2.0, False),
+    "bailing_hybrid_layer_group_size": ("bailing_hybrid", {"layer_types": None, "layer_group_size": 3},
+                                        lambda m: hasattr(_layers(m)[1].self_attn, "forget_gate")
+                                        and not hasattr(_layers(m)[2].self_attn, "forget_gate"), True),
+    "bailing_hybrid_all_dense": ("bailing_hybrid", {"first_k_dense_replace": 3},
+                                 lambda m: not any(hasattr(layer.mlp, "experts") for layer in _layers(m)), True),
 }
-RING = ["qwen2_window_max_window_layers", "qwen3_moe_window", "qwen2_dynamic_rope", "deepseek_v3_yarn_rope"]  # also under ring 2 (zigzag)
+RING = ["qwen2_window_max_window_layers", "qwen3_moe_window", "qwen2_dynamic_rope", "deepseek_v3_yarn_rope",
+        "mistral4_llama4_scale", "cohere2_moe_prefix_pattern"]  # also under ring 2 (zigzag)
 
 
 def _gpt_oss(overrides, seed=0):
@@ -235,7 +354,7 @@ def _dense_reference(name):
     logits = model(input_ids=ids, use_cache=False).logits
     loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100)
     loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    return loss.detach(), grads_of(model)  # a VL model's vision tower: zeros (never run, frozen under CP)
 
 
 def _cp_dense(name):  # the model the CP side builds (a seam: the failure check builds it without the feature)
@@ -324,6 +443,27 @@ MOE = {
                                    lambda m: [b.layer_id for b in moe_blocks(m)] == [0], True),
     "latent_moe_window": ("latent_moe", {"use_sliding_window": True, "sliding_window": 3},
                           lambda m: _windows(m) == [3, 3], False),
+    "mistral4_groups": ("mistral4", {"n_group": 4, "topk_group": 2, "routed_scaling_factor": 1.0,
+                                     "norm_topk_prob": False},
+                        lambda m: (_spec(m).score, _spec(m).n_group, _spec(m).norm_topk_prob) == ("softmax", 4, False),
+                        False),
+    "mistral4_two_shared": ("mistral4", {"n_shared_experts": 2}, lambda m: _spec(m).shared_intermediate_size == 32,
+                            True),
+    "cohere2_moe_sigmoid": ("cohere2_moe", {"expert_selection_fn": "sigmoid"},
+                            lambda m: (_spec(m).score, _spec(m).norm_topk_prob) == ("sigmoid", True), False),
+    "cohere2_moe_sigmoid_no_norm": ("cohere2_moe", {"expert_selection_fn": "sigmoid", "norm_topk_prob": False},
+                                    lambda m: (_spec(m).score, _spec(m).norm_topk_prob) == ("sigmoid", False), False),
+    "cohere2_moe_sum": ("cohere2_moe", {"shared_expert_combination_strategy": "sum"},
+                        lambda m: _spec(m).shared_combine == "sum", False),
+    "cohere2_moe_no_shared": ("cohere2_moe", {"num_shared_experts": 0},
+                              lambda m: _spec(m).shared_intermediate_size == 0, True),
+    "cohere2_moe_dense_prefix": ("cohere2_moe", {"mlp_layer_types": ["dense", "sparse"],
+                                                 "prefix_dense_intermediate_size": 24},
+                                 lambda m: [b.layer_id for b in moe_blocks(m)] == [1], True),
+    "qwen3_vl_moe_mlp_only_layers": ("qwen3_vl_moe", {"mlp_only_layers": [0]},
+                                     lambda m: [b.layer_id for b in moe_blocks(m)] == [1], True),
+    "qwen3_vl_moe_decoder_sparse_step": ("qwen3_vl_moe", {"decoder_sparse_step": 2},
+                                         lambda m: [b.layer_id for b in moe_blocks(m)] == [1], True),
 }
 
 
@@ -352,6 +492,8 @@ def _latent_moe(overrides, seed=0):
 
 
 def _moe_model(family, overrides):
+    if family in FAMILIES_2026:
+        return tiny_model(family, **overrides)
     if family == "qwen3_moe":
         return tiny_model("qwen3_moe", **{**QWEN_MOE, **overrides})
     return (_gpt_oss_moe if family == "gpt_oss" else _latent_moe)(overrides)
@@ -377,6 +519,8 @@ def _moe_reference(name):
     family, overrides, _, _ = MOE[name]
     model = _moe_model(family, overrides)
     ids, labels, mask = moe_batch()
+    if family in FAMILIES_2026:  # their routers' own choice, hooked (moe_check.py)
+        return hf_moe_reference(model, moe_batch(), COEF, sigmoid=overrides.get("expert_selection_fn") == "sigmoid")
     if family == "latent_moe":
         ctx = MoEContext(dispatcher=AllToAllDispatcher(E), cp_group=None)
         for block in moe_blocks(model):
@@ -455,8 +599,11 @@ def test_every_config_field_of_every_family_is_audited():
     register_latent_moe()
     base = {f.name for f in dataclasses.fields(PreTrainedConfig)}  # output / label bookkeeping, no model math
     for family in SUPPORTED:
-        config_class = type(AutoConfig.for_model(family))
+        config = AutoConfig.for_model(family)
+        config_class = type(config)
         fields = {f.name for f in dataclasses.fields(config_class)} - base
+        if type(config.get_text_config()) is not config_class:  # a VL config: its text config's fields too
+            fields |= {f.name for f in dataclasses.fields(type(config.get_text_config()))} - base
         if config_class is LatentMoeConfig:  # ours: plain __init__ arguments on top of Qwen3-MoE's fields
             fields |= {"latent_size", "shared_expert_intermediate_size", "router_score"}
         assert fields <= set(AUDIT), (family, "audit these fields, then add them to AUDIT", sorted(fields - set(AUDIT)))

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cp_reference import cp_loss_and_grads, rel
+from cp_reference import cp_loss_and_grads, grads_of, rel
 from dist_harness import run_ranks
 from ds_ulysses_ext import Topology, enable_context_parallel, init_topology, shard_batch
 from ds_ulysses_ext.attention.masks import cu_seqlens_of
@@ -47,7 +47,7 @@ def reference_per_document(family, **overrides):
             total, count, start = total + s, count + c, start + n
     loss = total / count
     loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    return loss.detach(), grads_of(model)
 
 
 def reference_packed_row(family, **overrides):
@@ -63,7 +63,7 @@ def reference_packed_row(family, **overrides):
             total, count, start = total + s, count + c, start + n
     loss = total / count
     loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    return loss.detach(), grads_of(model)
 
 
 def _check_packed(rank, world, family, overrides, ring=1):

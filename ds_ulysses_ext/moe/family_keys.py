@@ -16,7 +16,7 @@ from ..errors import UnsupportedError
 FAMILY_KEYS: dict[str, tuple[str, ...]] = {
     "router_score": ("latent_moe",),  # softmax | sigmoid (router.py)
     "latent_size": ("latent_moe",),
-    "shared_expert_intermediate_size": ("latent_moe",),
+    "shared_expert_intermediate_size": ("latent_moe", "qwen3_next", "qwen3_5_moe_text"),
     # Megatron-Core's name for latent_size: no family here reads it
     "moe_latent_size": (),
 }

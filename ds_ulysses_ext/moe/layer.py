@@ -16,7 +16,10 @@ the k (router.py), its experts the clamped, alpha-scaled, interleaved SwiGLU (ex
 (out, None) because HF's GptOssDecoderLayer unpacks (out, router_scores) and drops the scores.
 DeepSeek-V3 / GLM-4-MoE(-Lite)'s block (`MoESpec.deepseek`) keeps HF's DeepseekV3MoE names: `gate.weight`,
 `gate.e_score_correction_bias` (the selection bias, a persistent fp32 buffer), Qwen3's expert layout, and
-`shared_experts.{gate,up,down}_proj`.
+`shared_experts.{gate,up,down}_proj`. Qwen3-Next's and Qwen3.5-MoE's (`MoESpec.qwen3_next`): Qwen3-MoE's names plus
+`shared_expert.{gate,up,down}_proj` and `shared_expert_gate.weight` [1, H] (the shared output times its sigmoid).
+Mistral4's (`MoESpec.mistral4`) and Cohere2-MoE's (`MoESpec.cohere2`) have the
+same names without the selection bias; Cohere2-MoE averages the shared and routed outputs.
 
 The block holds E / ep experts after `shard(ep_rank, ep)`. What it needs at run time (the EP dispatcher, the CP
 group for the balance statistics, the token mask of the current batch, the collector) is one `MoEContext`
@@ -35,6 +38,9 @@ from .balance import imbalance, sequence_balance_terms, update_expert_bias
 from .dispatch import sort_slots
 from .experts import GroupedExperts
 from .router import TopKRouter
+
+
+SHARED_COMBINES = ("sum", "average")
 
 
 @dataclass(frozen=True)
@@ -64,10 +70,18 @@ class MoESpec:
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
+    # how the shared expert joins the routed output: sum, or Cohere2-MoE's average ((routed + shared) / 2)
+    shared_combine: str = "sum"
+    # Qwen3-Next / Qwen3.5-MoE: the shared expert is `shared_expert` (one), scaled per token by
+    # sigmoid(shared_expert_gate x)
+    shared_name: str = "shared_experts"
+    shared_gate: bool = False
 
     def __post_init__(self):
         if self.router_name not in ("gate", "router"):
             raise ValueError(f"router_name={self.router_name!r} is not one of ('gate', 'router')")
+        if self.shared_combine not in SHARED_COMBINES:
+            raise ValueError(f"shared_combine={self.shared_combine!r} is not one of {SHARED_COMBINES}")
 
     @property
     def expert_dim(self) -> int:
@@ -78,11 +92,45 @@ class MoESpec:
         """HF's DeepseekV3MoE (and GLM-4-MoE(-Lite)'s, the same block): the sigmoid router with its selection bias
         `gate.e_score_correction_bias` (always there: a saved HF weight), groups, scaling; Qwen3's expert layout;
         n_shared_experts shared experts as one SwiGLU of n_shared_experts x moe_intermediate_size."""
-        return cls(config.hidden_size, config.n_routed_experts, config.num_experts_per_tok,
+        # Ling-3.0 (bailing_hybrid) runs the same block and names the routed experts num_local_experts
+        experts = getattr(config, "n_routed_experts", None) or config.num_local_experts
+        return cls(config.hidden_size, experts, config.num_experts_per_tok,
                    config.moe_intermediate_size, score="sigmoid", norm_topk_prob=bool(config.norm_topk_prob),
                    shared_intermediate_size=config.moe_intermediate_size * (config.n_shared_experts or 0),
                    expert_bias=True, bias_name="e_score_correction_bias", n_group=config.n_group or 1,
                    topk_group=config.topk_group or 1, routed_scaling_factor=float(config.routed_scaling_factor))
+
+    @classmethod
+    def mistral4(cls, config, expert_bias: bool = False) -> "MoESpec":
+        """HF's Mistral4MoE: DeepSeek-V3's block with a softmax router (scores over all E, group-limited selection on
+        them, no selection bias), norm_topk_prob and the routed scaling; n_shared_experts as one shared SwiGLU."""
+        return cls(config.hidden_size, config.n_routed_experts, config.num_experts_per_tok,
+                   config.moe_intermediate_size, score="softmax", norm_topk_prob=bool(config.norm_topk_prob),
+                   shared_intermediate_size=config.moe_intermediate_size * (config.n_shared_experts or 0),
+                   expert_bias=expert_bias, n_group=config.n_group or 1, topk_group=config.topk_group or 1,
+                   routed_scaling_factor=float(config.routed_scaling_factor))
+
+    @classmethod
+    def cohere2(cls, config, expert_bias: bool = False) -> "MoESpec":
+        """HF's Cohere2MoeSparseMoeBlock: top-k of the logits, then a softmax over the k (expert_selection_fn=softmax,
+        as GPT-OSS's router) or their sigmoids, renormalised when norm_topk_prob; experts intermediate_size wide; the
+        num_shared_experts shared experts as one SwiGLU, summed or averaged with the routed output."""
+        sigmoid = config.expert_selection_fn == "sigmoid"
+        return cls(config.hidden_size, config.num_experts, config.num_experts_per_tok, config.intermediate_size,
+                   score="sigmoid" if sigmoid else "topk_softmax",
+                   norm_topk_prob=sigmoid and bool(config.norm_topk_prob),
+                   shared_intermediate_size=config.intermediate_size * (config.num_shared_experts or 0),
+                   expert_bias=expert_bias, shared_combine=config.shared_expert_combination_strategy)
+
+    @classmethod
+    def qwen3_next(cls, config, expert_bias: bool = False) -> "MoESpec":
+        """HF's Qwen3NextSparseMoeBlock (and Qwen3.5-MoE's, the same block): Qwen3-MoE's softmax router (top-k
+        renormalised when norm_topk_prob; Qwen3.5-MoE always), plus one shared SwiGLU `shared_expert` of
+        shared_expert_intermediate_size whose output is scaled by sigmoid(shared_expert_gate x) per token."""
+        return cls(config.hidden_size, config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
+                   norm_topk_prob=bool(getattr(config, "norm_topk_prob", True)),
+                   shared_intermediate_size=config.shared_expert_intermediate_size, expert_bias=expert_bias,
+                   shared_name="shared_expert", shared_gate=True)
 
     @classmethod
     def gpt_oss(cls, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
@@ -179,7 +227,9 @@ class MoEBlock(torch.nn.Module):
             self.fc1_latent_proj = torch.nn.Linear(spec.hidden_size, spec.latent_size, bias=False)
             self.fc2_latent_proj = torch.nn.Linear(spec.latent_size, spec.hidden_size, bias=False)
         if spec.shared_intermediate_size:
-            self.shared_experts = SwiGLU(spec.hidden_size, spec.shared_intermediate_size)
+            setattr(self, spec.shared_name, SwiGLU(spec.hidden_size, spec.shared_intermediate_size))
+        if spec.shared_gate:
+            self.shared_expert_gate = torch.nn.Linear(spec.hidden_size, 1, bias=False)
         self._ctx = [None]  # a list, so the context is not a submodule nor in the state dict
 
     @property
@@ -217,7 +267,12 @@ class MoEBlock(torch.nn.Module):
             out_TD = dispatcher.combine(y_ND, handle)
         out_TH = self.fc2_latent_proj(out_TD) if self.spec.latent_size else out_TD
         if self.spec.shared_intermediate_size:
-            out_TH = out_TH + self.shared_experts(x_TH)
+            shared_TH = getattr(self, self.spec.shared_name)(x_TH)
+            if self.spec.shared_gate:
+                shared_TH = torch.sigmoid(self.shared_expert_gate(x_TH)) * shared_TH
+            out_TH = out_TH + shared_TH
+            if self.spec.shared_combine == "average":
+                out_TH = out_TH / 2
         out_BsH = out_TH.reshape(B, s, H)
         # GPT-OSS: HF's decoder layer does `hidden, _ = self.mlp(hidden)`; nothing reads the router scores
         return (out_BsH, None) if self.spec.tuple_output else out_BsH

@@ -18,11 +18,12 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import UnsupportedError
+from ..models import text_config_of
 from ..topology import Topology
 from .dispatch import AllToAllDispatcher
 from .experts import RECOMPUTE_MODES
 from .family_keys import check_family_keys
-from .layer import MoEBlock, MoEContext, MoESpec, moe_blocks
+from .layer import SHARED_COMBINES, MoEBlock, MoEContext, MoESpec, moe_blocks
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,8 @@ def hf_moe_spec(config, expert_bias: bool = False) -> MoESpec:
             "layer and so changes with the cp split; our per-sequence loss replaces it: set "
             "output_router_logits=false and use moe.balance=aux (moe.aux_loss_coef)")
     check_family_keys(config)  # keys read below that only some families' HF classes read
-    if getattr(config, "model_type", None) == "gpt_oss":  # its experts' activation is fixed; hidden_act is unread
+    family = getattr(config, "model_type", None)
+    if family == "gpt_oss":  # its experts' activation is fixed; hidden_act is unread
         return MoESpec.gpt_oss(config.hidden_size, config.num_local_experts, config.num_experts_per_tok,
                                config.intermediate_size, swiglu_alpha=float(config.swiglu_alpha),
                                swiglu_limit=float(config.swiglu_limit), expert_bias=expert_bias)
@@ -75,14 +77,42 @@ def hf_moe_spec(config, expert_bias: bool = False) -> MoESpec:
     if act != "silu":
         raise UnsupportedError(f"MoE experts with hidden_act={act!r}: our experts compute SwiGLU (silu); "
                                "use a model whose experts are SwiGLU")
-    if getattr(config, "model_type", None) in DEEPSEEK_MOE_FAMILIES:
+    if family == "bailing_hybrid":  # Ling-3.0: DeepSeek-V3's block, its routed experts named num_local_experts
+        from .router import check_groups
+        try:
+            check_groups(config.num_local_experts, config.num_experts_per_tok, config.n_group or 1,
+                         config.topk_group or 1)
+        except ValueError as err:
+            raise UnsupportedError(str(err)) from None
+        return MoESpec.deepseek(config)
+    if family in QWEN3_NEXT_MOE_FAMILIES:
+        if family == "qwen3_5_moe_text" and not getattr(config, "norm_topk_prob", True):
+            # not a field of its config: HF's Qwen3.5-MoE router always renormalises and never reads it
+            raise UnsupportedError("norm_topk_prob=false in the qwen3_5_moe_text config: HF's Qwen3.5-MoE router "
+                                   "always renormalises the top-k weights and never reads it, so the export would "
+                                   "route otherwise than training did. Remove norm_topk_prob from the config")
+        return MoESpec.qwen3_next(config, expert_bias)
+    if family in DEEPSEEK_MOE_FAMILIES or family == "mistral4":
         from .router import check_groups
         try:
             check_groups(config.n_routed_experts, config.num_experts_per_tok, config.n_group or 1,
                          config.topk_group or 1)
         except ValueError as err:
             raise UnsupportedError(str(err)) from None
-        return MoESpec.deepseek(config)
+        return MoESpec.mistral4(config, expert_bias) if family == "mistral4" else MoESpec.deepseek(config)
+    if family == "cohere2_moe":
+        # HF raises on other values only when the block first runs; here before training, naming the field
+        for key, choices in (("expert_selection_fn", ("softmax", "sigmoid")),
+                             ("shared_expert_combination_strategy", SHARED_COMBINES)):
+            if getattr(config, key) not in choices:
+                raise UnsupportedError(f"{key}={getattr(config, key)!r} in the cohere2_moe config: HF's block runs "
+                                       f"only {choices}; set {key} to one of them")
+        return MoESpec.cohere2(config, expert_bias)
+    if family == "qwen3_vl_moe_text" and not getattr(config, "norm_topk_prob", True):
+        # not a field of its config: kept as a plain attribute that HF's router (which always renormalises) never reads
+        raise UnsupportedError("norm_topk_prob=false in the qwen3_vl_moe text config: HF's Qwen3-VL-MoE router always "
+                               "renormalises the top-k weights and never reads it, so the export would route "
+                               "otherwise than training did. Remove norm_topk_prob from text_config")
     return MoESpec(hidden_size=config.hidden_size, num_experts=config.num_experts,
                    top_k=config.num_experts_per_tok, intermediate_size=config.moe_intermediate_size,
                    score=getattr(config, "router_score", "softmax"),
@@ -101,20 +131,31 @@ def _gathered(params):
 
 # families whose MoE block is HF's DeepseekV3MoE (GLM-4-MoE and -Lite copy it): MoESpec.deepseek
 DEEPSEEK_MOE_FAMILIES = ("deepseek_v3", "glm4_moe_lite", "glm4_moe")
+# families whose MoE block is HF's Qwen3NextSparseMoeBlock (Qwen3.5-MoE copies it): MoESpec.qwen3_next
+QWEN3_NEXT_MOE_FAMILIES = ("qwen3_next", "qwen3_5_moe_text")
 
 
 def _hf_moe_classes() -> tuple:
+    from transformers.models.cohere2_moe.modeling_cohere2_moe import Cohere2MoeSparseMoeBlock
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
     from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeMoE
     from transformers.models.glm4_moe_lite.modeling_glm4_moe_lite import Glm4MoeLiteMoE
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts, GptOssMLP
+    from transformers.models.mistral4.modeling_mistral4 import Mistral4MoE
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
-    return (Qwen3MoeSparseMoeBlock, GptOssMLP, DeepseekV3MoE, Glm4MoeMoE, Glm4MoeLiteMoE), GptOssExperts
+    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeTextSparseMoeBlock
+    from transformers.models.bailing_hybrid.modeling_bailing_hybrid import BailingHybridMoE
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMoeBlock
+    return (Qwen3MoeSparseMoeBlock, GptOssMLP, DeepseekV3MoE, Glm4MoeMoE, Glm4MoeLiteMoE, Mistral4MoE,
+            Cohere2MoeSparseMoeBlock, Qwen3VLMoeTextSparseMoeBlock, Qwen3NextSparseMoeBlock, Qwen3_5MoeSparseMoeBlock,
+            BailingHybridMoE), GptOssExperts
 
 
 def replace_hf_blocks(model, expert_bias: bool = False) -> int:
-    """Swap every HF Qwen3-MoE sparse block, GPT-OSS MLP and DeepSeek-V3 / GLM-4-MoE(-Lite) MoE for a MoEBlock with
-    the same weights (the selection bias included); returns how many. Their dense layers stay HF's."""
+    """Swap every HF Qwen3-MoE (and Qwen3-VL-MoE text) sparse block, GPT-OSS MLP, DeepSeek-V3 / GLM-4-MoE(-Lite) /
+    Mistral4 MoE and Cohere2-MoE sparse block for a MoEBlock with the same weights (the selection bias included);
+    returns how many. Their dense layers stay HF's."""
     blocks, gpt_oss_experts = _hf_moe_classes()
     layers = model.get_decoder().layers
     replaced = 0
@@ -129,7 +170,7 @@ def replace_hf_blocks(model, expert_bias: bool = False) -> int:
                 f"layer {layer_id}: GPT-OSS experts of type {type(experts).__name__} (a quantized checkpoint kept "
                 "quantized); load it dequantized, e.g. from_pretrained(..., quantization_config="
                 "Mxfp4Config(dequantize=True)), or save a dequantized copy and set model.path to it")
-        spec = hf_moe_spec(model.config, expert_bias)
+        spec = hf_moe_spec(text_config_of(model.config), expert_bias)  # a VL model's MoE shape is its text config's
         old_params = list(old.parameters())
         dtype, device = old_params[0].dtype, old_params[0].device
         new = MoEBlock(spec, layer_id)

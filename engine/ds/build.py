@@ -46,8 +46,10 @@ def build_hf_model(cfg: TrainConfig, ds_dict: dict, device: torch.device = torch
     it), a ZeRO-3 one partitioned by zero.Init."""
     from transformers import AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
+    from ds_ulysses_ext.hf_classes import register_causal_lms
     from ds_ulysses_ext.moe.latent_model import register_latent_moe
     register_latent_moe()
+    register_causal_lms()  # mistral4, the Qwen3-VL checkpoints: AutoModelForCausalLM learns them here
     _HF_DS_CONFIG.clear()  # a previous build's ZeRO-3 config must not leak into a ZeRO-2 build
     zero3 = ds_dict["zero_optimization"]["stage"] == 3
     if zero3:

@@ -6,8 +6,10 @@ from ds_ulysses_ext.attention.zigzag import padded_seq_len
 
 def hf_config_of(model_cfg):
     from transformers import AutoConfig
+    from ds_ulysses_ext.hf_classes import register_causal_lms
     from ds_ulysses_ext.moe.latent_model import register_latent_moe
     register_latent_moe()  # the latent_moe type is ours: HF's Auto classes learn it here
+    register_causal_lms()  # and the families transformers maps to image-text-to-text only (hf_classes.py)
     if model_cfg.source == "pretrained":
         return AutoConfig.from_pretrained(model_cfg.path)
     return AutoConfig.for_model(model_cfg.family, **model_cfg.arch)

@@ -9,6 +9,7 @@ families (Llama/Qwen/Mistral `_init_weights`): matrices ~ N(0, initializer_range
 """
 from __future__ import annotations
 
+import math
 import zlib
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +27,15 @@ def _rule(name: str, shape: torch.Size) -> str:
         return "ones"
     if len(shape) == 1 and name.endswith(".sinks"):  # GPT-OSS's per-head sink logits: normal, as HF's
         return "normal"
+    # linear-attention layers (Qwen3.5 / Qwen3-Next gated DeltaNet, Ling-3.0 KDA), as HF's _init_weights draws them:
+    # per-head decay rates log(A), A ~ U(1, 16) (Qwen draws U(0.01, 16), Ling U(1, 16)); the decay's time-step bias
+    # ones (Qwen), or for KDA's per-channel forget gate softplus^-1(dt), dt log-uniform in [1e-3, 1e-1]
+    if len(shape) == 1 and name.endswith(".A_log"):
+        return "a_log"
+    if len(shape) == 1 and name.endswith("forget_gate.dt_bias"):
+        return "dt_bias_kda"
+    if len(shape) == 1 and name.endswith(".dt_bias"):
+        return "ones"
     if len(shape) >= 2:
         return "normal"
     raise ValueError(f"no random-init rule for parameter {name!r} of shape {tuple(shape)}; "
@@ -38,6 +48,11 @@ def _value(name: str, shape: torch.Size, std: float, generator: torch.Generator)
         return torch.zeros(shape)
     if rule == "ones":
         return torch.ones(shape)
+    if rule == "a_log":
+        return torch.empty(shape).uniform_(1.0, 16.0, generator=generator).log_()
+    if rule == "dt_bias_kda":
+        dt = torch.empty(shape).uniform_(math.log(1e-3), math.log(1e-1), generator=generator).exp_().clamp_min_(1e-4)
+        return dt + torch.log(-torch.expm1(-dt))
     return torch.randn(shape, generator=generator).mul_(std)  # in place: no second fp32 copy to fault in
 
 

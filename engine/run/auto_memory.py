@@ -17,7 +17,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Mapping, Optional
 
 from omegaconf import OmegaConf
 
@@ -100,6 +100,8 @@ def model_shape(cfg: TrainConfig) -> ModelShape:
         config_json = Path(cfg.model.path) / "config.json"
         if config_json.is_file():
             arch = {**json.loads(config_json.read_text()), **arch}
+    if isinstance(arch.get("text_config"), Mapping):  # a VL checkpoint (qwen3_vl): its language model is the shape
+        arch = {**arch, **arch["text_config"]}
     return ModelShape.from_arch(arch, cfg.model.family)
 
 
