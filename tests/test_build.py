@@ -165,3 +165,20 @@ def test_zero3_build_at_world_2_gathers_to_the_reference_weights():
     # the collective path: rank 0 draws ahead in threads, each parameter is gathered and broadcast in order
     from dist_harness import run_ranks
     run_ranks(_zero3_build_gathers_to_the_reference, 2)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny_qwen3_5", "tiny_qwen3_next", "tiny_cohere2_moe"])
+def test_norm_weights_start_where_hfs_own_init_starts_them(preset):
+    """Every 1-D norm weight that HF's own init sets to a constant (1 for a plain RMSNorm, 0 for Qwen3.5 / Qwen3-Next's
+    (1 + weight) norms) gets the same constant from ours: a zero-centred norm at 1 ran at twice its scale."""
+    cfg = compose_config([f"model={preset}"])
+    torch.manual_seed(0)
+    hf_init = AutoModelForCausalLM.from_config(hf_config_of(cfg.model))
+    ours = AutoModelForCausalLM.from_config(hf_config_of(cfg.model))
+    init_random_weights(ours, SEED, STD)
+    checked = 0
+    for (name, want), (_, got) in zip(hf_init.named_parameters(), ours.named_parameters()):
+        if want.dim() == 1 and "norm" in name and bool((want == want.flatten()[0]).all()):
+            assert torch.equal(got, want), (name, want.flatten()[0].item(), got.flatten()[0].item())
+            checked += 1
+    assert checked > 0

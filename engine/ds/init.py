@@ -20,8 +20,10 @@ import torch
 import torch.distributed as dist
 
 
-def _rule(name: str, shape: torch.Size) -> str:
+def _rule(name: str, shape: torch.Size, zero_centred: frozenset = frozenset()) -> str:
     if name.endswith(".bias") or name.endswith("_proj_bias"):  # GPT-OSS's stacked expert biases: zeros, as HF's
+        return "zeros"
+    if len(shape) == 1 and name in zero_centred:  # a norm that scales by (1 + weight): HF starts it at 0
         return "zeros"
     if len(shape) == 1 and "norm" in name:
         return "ones"
@@ -42,8 +44,9 @@ def _rule(name: str, shape: torch.Size) -> str:
                      "load weights with model.source=pretrained or extend engine/ds/init.py")
 
 
-def _value(name: str, shape: torch.Size, std: float, generator: torch.Generator) -> torch.Tensor:
-    rule = _rule(name, shape)
+def _value(name: str, shape: torch.Size, std: float, generator: torch.Generator,
+           zero_centred: frozenset = frozenset()) -> torch.Tensor:
+    rule = _rule(name, shape, zero_centred)
     if rule == "zeros":
         return torch.zeros(shape)
     if rule == "ones":
@@ -56,13 +59,41 @@ def _value(name: str, shape: torch.Size, std: float, generator: torch.Generator)
     return torch.randn(shape, generator=generator).mul_(std)  # in place: no second fp32 copy to fault in
 
 
-def _draw(name: str, shape: torch.Size, dtype: torch.dtype, seed: int, std: float) -> torch.Tensor:
+def _draw(name: str, shape: torch.Size, dtype: torch.dtype, seed: int, std: float,
+          zero_centred: frozenset = frozenset()) -> torch.Tensor:
     # drawn in fp32 on the CPU whatever the parameter's dtype and device: the values are the same everywhere
     generator = torch.Generator().manual_seed((seed << 32) ^ zlib.crc32(name.encode()))
-    return _value(name, shape, std, generator).to(dtype)
+    return _value(name, shape, std, generator, zero_centred).to(dtype)
 
 
-def _draws(wanted: list, seed: int, std: float) -> Iterator[Optional[torch.Tensor]]:
+def zero_centred_norms(model: torch.nn.Module) -> frozenset:
+    """Names of the weights of norms that scale by (1 + weight) (Qwen3.5 / Qwen3-Next's RMSNorms): with the weight
+    at 0 such a norm still passes its input on, a plain one gives 0. Found by running each norm-like module (a 1-D
+    weight, no children, a forward of the input alone) on a small CPU input with its weight at 0, so no class list
+    goes stale. Setting them to 1, as for a plain norm, doubled their scale at random init."""
+    out = set()
+    for prefix, module in model.named_modules():
+        weight = module._parameters.get("weight")
+        if weight is None or list(module.children()) or "norm" not in prefix.rsplit(".", 1)[-1].lower():
+            continue
+        shape = getattr(weight, "ds_shape", weight.shape)
+        if len(shape) != 1:
+            continue
+        try:
+            with torch.no_grad():
+                # every parameter at 0 (a bias too): a parameter not yet written holds whatever memory it was given
+                zeros = {n: torch.zeros(getattr(p, "ds_shape", p.shape)) for n, p in module._parameters.items()
+                         if p is not None}
+                y = torch.func.functional_call(module, zeros, (torch.randn(2, shape[0]),))
+        except Exception:  # a gated norm (two inputs) or one that cannot run on the CPU: a plain norm's rule
+            continue
+        if isinstance(y, torch.Tensor) and y.abs().max() > 0:
+            out.add(f"{prefix}.weight")
+    return frozenset(out)
+
+
+def _draws(wanted: list, seed: int, std: float,
+           zero_centred: frozenset = frozenset()) -> Iterator[Optional[torch.Tensor]]:
     """The values of each wanted (name, shape, dtype) in order (None for a None entry), drawn in threads.
 
     One generator's randn is a serial loop (10 s for the Llama-3.2-1B shape on one core). Each parameter has
@@ -72,7 +103,7 @@ def _draws(wanted: list, seed: int, std: float) -> Iterator[Optional[torch.Tenso
     with ThreadPoolExecutor(max_workers=workers) as pool:
         ahead: deque = deque()
         for item in wanted:
-            ahead.append(None if item is None else pool.submit(_draw, *item, seed, std))
+            ahead.append(None if item is None else pool.submit(_draw, *item, seed, std, zero_centred))
             if len(ahead) > 2 * workers:
                 yield _result(ahead.popleft())
         while ahead:
@@ -95,14 +126,16 @@ def init_random_weights(model: torch.nn.Module, seed: int, std: float) -> None:
     The copies into the parameters stay on this thread, the draws run in worker threads: a worker touching
     a GPU tensor could open a CUDA context on the thread's default device (GPU 0) from every rank."""
     params = list(model.named_parameters())  # tied weights appear once
+    zero_centred = zero_centred_norms(model)
     rank = dist.get_rank() if dist.is_initialized() else 0
     # a ZeRO-3 partitioned parameter's own shape is empty outside a gather; ds_shape is the full one
     shapes = [getattr(p, "ds_shape", p.shape) for _, p in params]
     for (name, _), shape in zip(params, shapes):
-        _rule(name, shape)  # on every rank before the first gather: a refusal on rank 0 alone would hang the rest
+        # on every rank before the first gather: a refusal on rank 0 alone would hang the rest
+        _rule(name, shape, zero_centred)
     wanted = [None if hasattr(p, "ds_id") and rank != 0 else (name, shape, p.dtype)
               for (name, p), shape in zip(params, shapes)]
-    with closing(_draws(wanted, seed, std)) as values:
+    with closing(_draws(wanted, seed, std, zero_centred)) as values:
         for (_, param), value in zip(params, values):
             if not hasattr(param, "ds_id"):
                 _write(param, value)
