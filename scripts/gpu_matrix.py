@@ -14,8 +14,8 @@ batch of SEQ tokens with some labels masked (and, for `packed` cells, documents 
 
 A cell passes when its loss and every parameter's gradient are no further from the reference (relative, in the norm)
 than BOUND x the eager path's own error on the same parameter, or FLOOR where the eager error is below it (docs/design.md
-§3.1). `optimizer_in_backward` frees the gradients it steps with: that cell compares the weights after one step with
-the zero0 cell's after its step (the same updates, UPDATE_TOL relative in the update). The table (docs/gpu_matrix.md)
+§3.1). `optimizer_in_backward` frees the gradients it steps with: that cell compares its one step's update of every
+weight with the zero0 cell's update (UPDATE_TOL, relative in the update). The table (docs/gpu_matrix.md)
 gives each cell's worst ratio and the parameter it sits in.
 
 --reinstate-contiguity-bug: the self-check. The RMSNorm backward reads its input as if contiguous again (the defect
@@ -61,7 +61,44 @@ FAMILIES = {
                                        num_key_value_heads=4, n_routed_experts=16)),
     "latent_moe": ("tiny_latent_moe", dict(vocab_size=32000, hidden_size=2048, num_attention_heads=16,
                                            num_key_value_heads=4, head_dim=128, num_experts=16, moe_intermediate_size=256)),
+    # Mistral4's MLA: q/k 64 + 64 (half of it rotary, yarn with Llama-4's query scale), v 128
+    "mistral4_mla": ("tiny_mistral4", {"vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 4096,
+                                       "moe_intermediate_size": 512, "n_routed_experts": 16, "num_experts_per_tok": 4,
+                                       "n_group": 1, "topk_group": 1, "num_attention_heads": 16,
+                                       "num_key_value_heads": 16, "q_lora_rank": 768, "kv_lora_rank": 256,
+                                       "qk_nope_head_dim": 64, "qk_rope_head_dim": 64, "v_head_dim": 128,
+                                       "rope_parameters.partial_rotary_factor": 0.5,
+                                       "rope_parameters.original_max_position_embeddings": 1024}),
+    # Cohere2-MoE: a sliding layer (window 512 of the 4k batch) and a global NoPE layer, head dim 128
+    "cohere2_moe": ("tiny_cohere2_moe", dict(vocab_size=32000, hidden_size=2048, intermediate_size=1024, num_experts=16,
+                                             num_attention_heads=16, num_key_value_heads=4, head_dim=128,
+                                             sliding_window=512)),
+    # the Qwen3-VL language model on text (interleaved multimodal RoPE), head dim 128; the vision tower stays frozen
+    "qwen3_vl_text": ("tiny_qwen3_vl", {"text_config.vocab_size": 32000, "text_config.hidden_size": 2048,
+                                        "text_config.intermediate_size": 4096, "text_config.num_attention_heads": 16,
+                                        "text_config.num_key_value_heads": 8, "text_config.head_dim": 128,
+                                        "text_config.rope_parameters.mrope_section": [24, 20, 20],
+                                        "vision_config.out_hidden_size": 2048}),
+    # Qwen3.5-MoE's hybrid: a gated DeltaNet layer (16 key / 32 value heads of 128) and a gated full-attention layer
+    # (head dim 256, a quarter rotary)
+    "qwen3_5_moe": ("tiny_qwen3_5_moe", dict(vocab_size=32000, hidden_size=2048, num_hidden_layers=2,
+                                             layer_types=["linear_attention", "full_attention"],
+                                             num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+                                             linear_num_key_heads=16, linear_num_value_heads=32,
+                                             linear_key_head_dim=128, linear_value_head_dim=128, num_experts=16,
+                                             num_experts_per_tok=8, moe_intermediate_size=512,
+                                             shared_expert_intermediate_size=512)),
+    "qwen3_5_dense": ("tiny_qwen3_5", dict(vocab_size=32000, hidden_size=2048, intermediate_size=6144,
+                                           num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+                                           num_attention_heads=16, num_key_value_heads=4, head_dim=256,
+                                           linear_num_key_heads=16, linear_num_value_heads=32,
+                                           linear_key_head_dim=128, linear_value_head_dim=128)),
 }
+# the hybrids' linear layers: the fused kernels are refused on them (configs/linear_attention.py), so their other
+# cells run model.kernels=none and the kernels cells show the refusal
+HYBRID = ("qwen3_5_moe", "qwen3_5_dense")
+# FlashAttention-4 cells (--fa4, after the FA4 wheels are installed): head dims it takes, windows and sinks among them
+FA4_FAMILIES = ("llama_d64", "llama_d128", "qwen3_moe", "gpt_oss", "cohere2_moe")
 QUICK = {  # --quick (CPU): the harness on tiny shapes
     "llama_d64": ("tiny", {}), "deepseek_v3_mla": ("tiny_deepseek_v3", {}), "qwen3_moe": ("tiny_moe", {}),
 }
@@ -70,24 +107,36 @@ MEMORY = ("selective", "selective_tiled", "tiled", "except_attention", "except_a
           "except_attention_offload_tiled", "block_recompute", "full_recompute", "offload", "except_attention_tiled",
           "long_context", "selective_block")
 
+WHOLE_LAYERS = ("except_attention_tiled", "selective_block")  # presets that recompute memory.recompute_num_layers=4
 
-def cells(families, quick: bool):
+
+def cells(families, quick: bool, fa4: bool = False):
     """(family, name, overrides, packed) of every cell."""
     out = []
     for fam in families:
         for k in ("liger", "compile"):  # model.kernels=none with memory=none and zero0 is the eager path itself
             out.append((fam, f"kernels={k}", [f"model.kernels={k}"], False))
-        out.append((fam, "kernels=liger zero3", ["model.kernels=liger", "deepspeed=zero3"], False))
-        out.append((fam, "packed", ["model.kernels=liger"], True))
-    memory_families = [f for f in ("llama_d64", "qwen3_moe", "deepseek_v3_mla", "gpt_oss") if f in families]
+        base = "model.kernels=none" if fam in HYBRID else "model.kernels=liger"
+        out.append((fam, f"{base.split('.')[1]} zero3", [base, "deepspeed=zero3"], False))
+        out.append((fam, "packed", [base], True))
+    if fa4:  # FA4 against the same SDPA fp32 reference: its varlen (packed), window and sink paths on real shapes
+        for fam in [f for f in FA4_FAMILIES if f in families]:
+            out.append((fam, "attn=fa4", ["model.attn_backend=fa4"], False))
+            out.append((fam, "attn=fa4 packed", ["model.attn_backend=fa4"], True))
+    memory_families = [f for f in ("llama_d64", "qwen3_moe", "deepseek_v3_mla", "gpt_oss", "llama_d128", "qwen3_d128",
+                                   "glm4_moe_lite_mla", "glm4_moe", "latent_moe", "mistral4_mla", "cohere2_moe",
+                                   "qwen3_vl_text", *HYBRID) if f in families]
     for fam in memory_families:
         for m in (MEMORY[:3] if quick else MEMORY):
             out.append((fam, f"memory={m}", [f"memory={m}"], False))
+            if m in WHOLE_LAYERS:  # their 4 layers recomputed whole exceed the matrix's 2: the same policy at 1
+                out.append((fam, f"memory={m} recompute_num_layers=1", [f"memory={m}", "memory.recompute_num_layers=1"],
+                            False))
     for fam in [f for f in ("qwen3_moe", "deepseek_v3_mla") if f in families]:
         out.append((fam, "moe.recompute=experts", ["moe.recompute=experts"], False))
         out.append((fam, "moe.recompute=experts offload_inputs", ["moe.recompute=experts", "moe.offload_inputs=true"],
                     False))
-    for fam in [f for f in ("llama_d64", "qwen3_moe") if f in families]:
+    for fam in [f for f in ("llama_d64", "qwen3_moe", "gpt_oss") if f in families]:
         out.append((fam, "optimizer_in_backward", ["trainer.optimizer_in_backward=true"], False))
         out.append((fam, "packed except_attention_offload", ["memory=except_attention_offload"], True))
     return out
@@ -101,7 +150,9 @@ def compose(fam_spec, precision: str, overrides, device: str):
         over += ["deepspeed.master_weights=bf16"]
     if not any(o.startswith("deepspeed=") for o in overrides):
         over.append("deepspeed=zero0")
-    over += [f"model.arch.{k}={json.dumps(v)}" for k, v in arch.items()] + list(overrides)
+    over += [f"model.arch.{k}={json.dumps(v)}" for k, v in arch.items()]
+    named = {o.split("=", 1)[0] for o in overrides}  # a cell's own value replaces COMMON's (Hydra refuses a key twice)
+    over = [o for o in over if o.split("=", 1)[0] not in named] + list(overrides)
     return compose_config(over)
 
 
@@ -121,7 +172,7 @@ def batch(vocab: int, packed: bool, seed: int = 0) -> dict:
 
 
 def run_cell(cfg, data: dict, device, step: bool = False):
-    """(loss, {name: fp32 gradient} or None, {name: fp32 weight after one step} or None) of one forward + backward."""
+    """(loss, {name: fp32 gradient} or None, {name: fp32 update of one step} or None) of one forward + backward."""
     from configs import validate
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
@@ -134,6 +185,10 @@ def run_cell(cfg, data: dict, device, step: bool = False):
         raise ValueError("the matrix names its presets")
     engine, hf, scale = build(cfg, plan, topo, device)
     try:
+        def weights():
+            return {n: (safe_get_full_fp32_param(p) if hasattr(p, "ds_id") else p).detach().float().cpu()
+                    for n, p in engine.module.named_parameters()}
+        before = weights() if step else None  # before the forward: optimizer_in_backward steps inside backward
         shard = {k: v.to(device) for k, v in shard_batch(data, topo).items()}
         loss_sum, count = engine(**shard)
         engine.backward(loss_sum * (scale / count), scale_wrt_gas=False)
@@ -146,12 +201,11 @@ def run_cell(cfg, data: dict, device, step: bool = False):
                 g = g if g is not None else p.grad
                 if g is not None:
                     grads[n] = g.detach().float().cpu()
-        weights = None
+        updates = None
         if step:
             engine.step()
-            weights = {n: (safe_get_full_fp32_param(p) if hasattr(p, "ds_id") else p).detach().float().cpu()
-                       for n, p in engine.module.named_parameters()}
-        return loss, grads, weights
+            updates = {n: w - before[n] for n, w in weights().items()}
+        return loss, grads, updates
     finally:
         remove_all(getattr(engine, "memory_policies", []) or [])
         engine.destroy()
@@ -223,11 +277,14 @@ def main() -> int:
     ap.add_argument("--only", default="", help="comma-separated substrings: run only cells whose name has one")
     ap.add_argument("--quick", action="store_true", help="tiny shapes and a few cells (the CPU test)")
     ap.add_argument("--reinstate-contiguity-bug", action="store_true")
+    ap.add_argument("--fa4", action="store_true", help="add the FlashAttention-4 cells (the FA4 wheels installed)")
+    ap.add_argument("--seq", type=int, default=None, help="tokens per batch (default 4096; --quick 64)")
     ap.add_argument("--out", default=str(ROOT / "outputs" / "gpu_matrix.jsonl"))
     args = ap.parse_args()
     global SEQ
     if args.quick:
         SEQ = 64
+    SEQ = args.seq or SEQ
     if args.reinstate_contiguity_bug:
         reinstate_contiguity_bug()
     specs = QUICK if args.quick else FAMILIES
@@ -242,7 +299,7 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     failed = 0
     only = [s for s in args.only.split(",") if s]
-    todo = [c for c in cells(families, args.quick) if not only or any(s in c[1] for s in only)]
+    todo = [c for c in cells(families, args.quick, args.fa4) if not only or any(s in c[1] for s in only)]
     refs = {}
     with out.open("a") as f:
         for fam, name, overrides, packed in todo:
@@ -253,7 +310,8 @@ def main() -> int:
             try:
                 if key not in refs:  # the fp32 reference and the eager bf16 path, once per family and batch
                     cfg = compose(specs[fam], "fp32", ["model.kernels=none", "memory=none"], args.device)
-                    data = batch(cfg.model.arch["vocab_size"], packed)
+                    arch = cfg.model.arch
+                    data = batch(arch["vocab_size"] if "vocab_size" in arch else arch["text_config"]["vocab_size"], packed)
                     ref = run_cell(cfg, data, rt.device)[:2]
                     eager = run_cell(compose(specs[fam], "bf16", ["model.kernels=none", "memory=none"], args.device),
                                      data, rt.device)[:2]
@@ -262,11 +320,12 @@ def main() -> int:
                 cfg = compose(specs[fam], "bf16", overrides, args.device)
                 if cfg.trainer.optimizer_in_backward:
                     base = [o for o in overrides if "optimizer_in_backward" not in o]
-                    _, _, w0 = run_cell(compose(specs[fam], "bf16", base, args.device), data, rt.device, step=True)
-                    _, _, w1 = run_cell(cfg, data, rt.device, step=True)
-                    worst = max(((n, rel(w1[n], w0[n])) for n in w0), key=lambda t: t[1])
+                    _, _, u0 = run_cell(compose(specs[fam], "bf16", base, args.device), data, rt.device, step=True)
+                    _, _, u1 = run_cell(cfg, data, rt.device, step=True)
+                    # the updates, not the weights: a weight's norm would swamp any error in its step
+                    worst = max(((n, rel(u1[n], u0[n])) for n in u0), key=lambda t: t[1])
                     row.update(ok=worst[1] <= UPDATE_TOL, worst_param=worst[0], worst_err=worst[1],
-                               compared_with="zero0 weights after one step")
+                               compared_with="the zero0 step's update")
                 else:
                     loss, grads, _ = run_cell(cfg, data, rt.device)
                     row.update(judge(loss, grads, ref, eager))
