@@ -35,6 +35,7 @@ from .attention.ring import ring_attention
 from .attention.ulysses import ulysses_attention
 from .attention.zigzag import rank_positions
 from .errors import UnsupportedError
+from .length_check import verify_length
 from .linear_attention import bind_linear_attention, linear_mixers, refuse_ring
 from .models import SUPPORTED, check_model_config, text_config_of
 from .rope import ROPE_LENGTH_KEY, check_rope, share_global_length
@@ -106,7 +107,7 @@ def _cp_attention(module, query, key, value, attention_mask, scaling=None, dropo
     # a memory policy may own how the core runs (memory/except_attention.py keeps it out of recompute)
     wrapper = module.__dict__.get("core_attention_wrapper")
     out = core() if wrapper is None else wrapper(core)
-    _verify_length(state, q_BsHD.shape[1])
+    verify_length(state, q_BsHD.shape[1])
     return out, None
 
 
@@ -119,18 +120,6 @@ def _is_plain_causal(mask: torch.Tensor, s: int) -> bool:
     if mask.dtype != torch.bool and not bool((mask.masked_select(~keep) <= torch.finfo(mask.dtype).min / 2).all()):
         return False  # an additive bias that only dampens would change the softmax
     return bool((keep == tril).all())
-
-
-def _verify_length(state: CPState, local_len: int) -> None:
-    exchanged = local_len * state.topology.cp_size
-    if state.expected_global_len and exchanged != state.expected_global_len:
-        raise RuntimeError(f"context parallelism is not active: attention saw {exchanged} tokens after "
-                           f"the exchange, the batch holds {state.expected_global_len}")
-    state.expected_global_len = 0
-    if not state.logged and state.topology.rank == 0:
-        log.info("context parallel active: cp=%d, local length %d, global length %d after the exchange",
-                 state.topology.cp_size, local_len, exchanged)
-    state.logged = True
 
 
 def _register_attention() -> None:

@@ -36,6 +36,9 @@ from torch.utils.checkpoint import checkpoint
 
 from .batch import IGNORE_INDEX
 from .comm import all_reduce_sum
+from .kernels.cross_entropy import cross_entropy_rows_, rows_ok
+from .kernels.scale_cast import scaled_into
+from .loss_rows import chunk_nll_sum_and_logit_grad
 from .topology import Topology
 
 log = logging.getLogger(__name__)
@@ -85,37 +88,18 @@ def chunked_lm_loss_sum(lm_head: torch.nn.Module, hidden_BsH: torch.Tensor, labe
     return total, (labels_T != IGNORE_INDEX).sum()
 
 
-def _chunk_nll_sum_and_logit_grad(h_CH, weight_VH, y_C, need_grad, fused_rows=True):
-    """One chunk: (fp32 sum of token NLLs, d(sum)/d logits in the weight dtype, or None).
+def _kernel_rows(logits_CV, y_C, need_grad):
+    """The chunk's rows in kernels/cross_entropy.py's Triton kernel, or None where it does not run (loss_rows.py then
+    runs the torch rows)."""
+    if not _triton_rows(logits_CV.device, logits_CV.dtype):
+        return None
+    return cross_entropy_rows_(logits_CV, y_C, IGNORE_INDEX, need_grad).sum(), logits_CV if need_grad else None
 
-    lm_head runs in the weight dtype, then an fp32 log-softmax: the same rounding as HF's cross_entropy
-    on .float() logits. On CUDA (fused_rows, the kernel checked at first use) one Triton kernel computes the rows'
-    losses and writes their gradient over the 16-bit logits (kernels/cross_entropy.py): no fp32 block at all.
-    Otherwise each pass over a [C, V] fp32 block reads and writes 4*C*V bytes, the largest
-    memory traffic of the step's head (docs/benchmarks.md, section H), so the chunk makes as few passes
-    as it can: one fused log-softmax kernel (not logsumexp's
-    amax/sub/exp/sum/log) that reads the 16-bit logits and writes fp32 (`dtype=`: no separate upcast pass or
-    fp32 copy; on CPU torch upcasts first, as before) and, for the gradient, one in-place exp and one cast. Being
-    a function, its fp32 block is freed on return, before the caller's matmuls allocate.
-    """
-    logits_CV = h_CH @ weight_VH.t()
-    if fused_rows and _triton_rows(logits_CV.device, logits_CV.dtype):
-        from .kernels.cross_entropy import cross_entropy_rows_
-        return cross_entropy_rows_(logits_CV, y_C, IGNORE_INDEX, need_grad).sum(), logits_CV if need_grad else None
-    logp_CV = torch.log_softmax(logits_CV, dim=-1, dtype=torch.float32)
-    del logits_CV
-    valid_C = y_C != IGNORE_INDEX
-    y_safe_C = torch.where(valid_C, y_C, 0)
-    nll_sum = torch.where(valid_C, logp_CV.gather(1, y_safe_C[:, None]).squeeze(1).neg_(), 0.0).sum()
-    if not need_grad:
-        return nll_sum, None
-    # d(sum CE)/d logits = softmax - onehot on counted rows, 0 on masked rows; in place
-    g_CV = logp_CV.exp_()
-    g_CV[torch.arange(g_CV.shape[0], device=g_CV.device), y_safe_C] -= 1.0
-    g_CV = g_CV.to(weight_VH.dtype)  # as autograd casts it for the lm_head backward
-    # masking after the cast is exact (x * 1 and x * 0 round the same) and moves half the bytes; a mask
-    # of the same dtype keeps the kernel vectorised
-    return nll_sum, g_CV.mul_(valid_C.to(g_CV.dtype)[:, None])
+
+def _chunk_nll_sum_and_logit_grad(h_CH, weight_VH, y_C, need_grad, fused_rows=True):
+    """One chunk: (fp32 sum of token NLLs, d(sum)/d logits in the weight dtype, or None); loss_rows.py says how.
+    fused_rows: on CUDA the Triton rows (checked at first use), else the torch rows everywhere."""
+    return chunk_nll_sum_and_logit_grad(h_CH, weight_VH, y_C, need_grad, _kernel_rows if fused_rows else None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -125,7 +109,6 @@ def _triton_rows(device: torch.device, dtype: torch.dtype) -> bool:
     once per chunk."""
     if device.type != "cuda" or importlib.util.find_spec("triton") is None:
         return False
-    from .kernels.cross_entropy import rows_ok
     return rows_ok(device, dtype)
 
 
@@ -198,7 +181,6 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             # at Qwen3's vocabulary; the MoE step without recompute peaked exactly that much higher with this head
             # than with Liger's, docs/benchmarks.md AQ). Not in place: a graph kept for a second backward still
             # holds grad_VH
-            from .kernels.scale_cast import scaled_into  # here: kernels/ imports this module
             grad_w = torch.empty(grad_VH.shape, dtype=ctx.weight_dtype, device=grad_VH.device)
             scaled_into(grad_VH, grad_total, grad_w)  # on CUDA a Triton kernel: torch's casting multiply is 3x slower
         return grad_h, grad_w, None, None, None
@@ -217,7 +199,7 @@ def linear_cross_entropy_sum(weight_VH: torch.Tensor, hidden_BsH: torch.Tensor, 
     kernel: a fused head, (hidden [T, H], weight [V, H], labels [T]) -> fp32 sum, that computes its gradients in
     forward as this one does (ds_ulysses_ext.kernels: Liger's under model.loss_head=liger); None runs ours.
     fused_rows: ours runs each chunk's softmax rows in the Triton kernel on CUDA (False: the torch rows, which
-    scripts/bench_loss.py measures against it).
+    scripts/bench/bench_loss.py measures against it).
     """
     hidden_TH, labels_T = _tokens(hidden_BsH, labels_Bs, chunk_size)
     if not torch.is_grad_enabled():

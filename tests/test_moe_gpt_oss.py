@@ -191,6 +191,7 @@ def test_grouped_mm_path_in_bf16_matches_the_loop(layout, recompute):
     pre-activations near it across (measured: 5.6% norm error of the input gradient against fp32 at h std 8). The
     grouped and the loop bf16 paths round the same inputs and weights, so they agree far closer."""
     import ds_ulysses_ext.moe.experts as experts_module
+    import ds_ulysses_ext.moe.grouped as grouped_module
     from ds_ulysses_ext.moe import GroupedExperts
     opts = dict(layout="gpt_oss", bias=True, activation="gpt_oss") if layout == "gpt_oss" else {}
     D, I_, El, counts = 64, 32, 8, [37, 0, 81, 5, 64, 0, 100, 13]
@@ -204,15 +205,15 @@ def test_grouped_mm_path_in_bf16_matches_the_loop(layout, recompute):
         m.load_state_dict(weights)
         m = m.cuda().to(dtype)
         xi = x.detach().to(dtype).requires_grad_()  # a leaf of its own: the fp32 run's .to() returns x itself
-        calls, real, ok, layouts = [], torch._grouped_mm, experts_module._grouped_mm_ok, experts_module.GROUPED_LAYOUTS
+        calls, real, ok, layouts = [], torch._grouped_mm, grouped_module._grouped_mm_ok, experts_module.GROUPED_LAYOUTS
         torch._grouped_mm = lambda *a, **k: calls.append(1) or real(*a, **k)
-        experts_module._grouped_mm_ok = ok if grouped else (lambda *a: False)
+        grouped_module._grouped_mm_ok = ok if grouped else (lambda *a: False)
         experts_module.GROUPED_LAYOUTS = experts_module.LAYOUTS  # every layout, whatever the default lists
         try:
             y = m(xi, counts)
             (y.float() * dy).sum().backward()
         finally:
-            torch._grouped_mm, experts_module._grouped_mm_ok, experts_module.GROUPED_LAYOUTS = real, ok, layouts
+            torch._grouped_mm, grouped_module._grouped_mm_ok, experts_module.GROUPED_LAYOUTS = real, ok, layouts
         assert bool(calls) == grouped
         return [y.float(), xi.grad.float()] + [p.grad.float() for p in m.parameters()], m
 

@@ -162,7 +162,7 @@ def test_sigmoid_router_matches_hf_deepseek_v3_router(norm):
 def test_ep1_grouped_experts_read_no_count_on_the_host(monkeypatch):
     """At ep=1 the routed counts stay on the device for the grouped experts (on CUDA every host read is a sync in
     each layer's forward): forward and backward with every explicit tensor-to-host read failing, against the loop."""
-    import ds_ulysses_ext.moe.experts as experts_module
+    import ds_ulysses_ext.moe.grouped as grouped_module
     spec = MoESpec(16, 8, 2, 12, norm_topk_prob=True)
     x = torch.randn(2, 9, 16)
     ref_block, block = _block(spec), _block(spec)
@@ -170,7 +170,7 @@ def test_ep1_grouped_experts_read_no_count_on_the_host(monkeypatch):
     out_ref = ref_block(x_ref)
     out_ref.square().sum().backward()
 
-    monkeypatch.setattr(experts_module, "_grouped_mm_ok", lambda *a: True)  # torch._grouped_mm runs on CPU too
+    monkeypatch.setattr(grouped_module, "_grouped_mm_ok", lambda *a: True)  # torch._grouped_mm runs on CPU too
 
     def host_read(*args, **kwargs):
         raise AssertionError("a tensor was read on the host")
@@ -192,6 +192,7 @@ def test_fused_combine_and_swiglu_wiring_on_cpu(monkeypatch):
     kernels themselves run in tests/test_gpu_moe_kernels.py."""
     import ds_ulysses_ext.moe.dispatch as dispatch_module
     import ds_ulysses_ext.moe.experts as experts_module
+    import ds_ulysses_ext.moe.grouped as grouped_module
     calls = {"sum": 0, "weighted": 0, "backward": 0, "glu": 0}
 
     def slot_sum(y, pos, w=None):
@@ -232,7 +233,7 @@ def test_fused_combine_and_swiglu_wiring_on_cpu(monkeypatch):
     monkeypatch.setattr(dispatch_module, "slot_sum_backward", slot_sum_backward)
     monkeypatch.setattr(experts_module, "glu_ok", lambda *a: True)
     monkeypatch.setattr(experts_module, "FusedSwiGLU", Glu)
-    monkeypatch.setattr(experts_module, "_grouped_mm_ok", lambda *a: True)  # one activation call, as on CUDA
+    monkeypatch.setattr(grouped_module, "_grouped_mm_ok", lambda *a: True)  # one activation call, as on CUDA
     monkeypatch.setattr(lean_pass, "applies", lambda *a: False)  # the three-function path (ep > 1 runs it)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # the experts ask the tensor
     out = block(x_new)
@@ -304,9 +305,9 @@ def test_lean_pass_keeps_no_slot_row_but_h(monkeypatch, recompute, kept):
 def test_lean_pass_applies_only_where_it_is_exact_and_fast(monkeypatch):
     """layer.py runs the lean pass only at ep=1, on the fused paths, for Qwen3's bias-free SwiGLU experts without
     their inputs in host memory: everything else keeps the three functions."""
-    import ds_ulysses_ext.moe.experts as experts_module
+    import ds_ulysses_ext.moe.grouped as grouped_module
     from ds_ulysses_ext.kernels import glu, slot_sum
-    for module, name in ((experts_module, "_grouped_mm_ok"), (glu, "glu_ok"), (slot_sum, "slot_sum_ok")):
+    for module, name in ((grouped_module, "_grouped_mm_ok"), (glu, "glu_ok"), (slot_sum, "slot_sum_ok")):
         monkeypatch.setattr(module, name, lambda *a: True)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     x = torch.randn(4, 16)

@@ -21,6 +21,8 @@ import functools
 
 import torch
 
+from ..batch import IGNORE_INDEX
+from ..loss_rows import chunk_nll_sum_and_logit_grad
 from .first_use import agrees
 
 BLOCK = 16384  # vocabulary columns per iteration (fp32 registers: 16 per thread at 32 warps)
@@ -82,12 +84,10 @@ def cross_entropy_rows_(logits_CV: torch.Tensor, labels_C: torch.Tensor, ignore_
 
 @functools.lru_cache(maxsize=None)
 def rows_ok(device: torch.device, dtype: torch.dtype) -> bool:
-    """Checked once per (device, dtype): the kernel against loss.py's torch rows (the path CPU runs) on one chunk
+    """Checked once per (device, dtype): the kernel against loss_rows.py's torch rows (the path CPU runs) on one chunk
     whose vocabulary is no multiple of BLOCK (two blocks and a tail), with ignored rows: the chunk's loss sum and
     the logits' gradient. A failure or a disagreement logs a warning and the caller keeps the torch rows (slower,
     never wrong)."""
-    from ..batch import IGNORE_INDEX
-    from ..loss import _chunk_nll_sum_and_logit_grad  # here, not at import: loss.py imports this module lazily
 
     def pairs():
         gen = torch.Generator(device=device).manual_seed(0)
@@ -95,7 +95,7 @@ def rows_ok(device: torch.device, dtype: torch.dtype) -> bool:
         weight = (0.5 * torch.randn(BLOCK * 2 + 1001, 64, device=device, generator=gen)).to(dtype)  # logits ~ N(0, 16)
         labels = torch.randint(0, weight.shape[0], (33,), device=device, generator=gen)
         labels[::5] = IGNORE_INDEX
-        ref_sum, ref_grad = _chunk_nll_sum_and_logit_grad(hidden, weight, labels, True, fused_rows=False)
+        ref_sum, ref_grad = chunk_nll_sum_and_logit_grad(hidden, weight, labels, True)
         got = hidden @ weight.t()
         loss_sum = cross_entropy_rows_(got, labels, IGNORE_INDEX, True).sum()
         return ("loss", loss_sum, ref_sum, 1e-5), ("gradient", got, ref_grad, TOLERANCE[dtype])

@@ -42,6 +42,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..kernels.glu import FusedSwiGLU, glu_ok
+from . import grouped
+from .grouped import _swiglu
 from .lean_pass import LeanExpertPass
 
 RECOMPUTE_MODES = ("none", "act", "experts")
@@ -50,11 +52,6 @@ LAYOUTS = ("qwen3", "gpt_oss")
 # layouts, on an H200 2026-12-01; Qwen3's is measured in docs/benchmarks.md section J); others run the exact loop
 GROUPED_LAYOUTS = ("qwen3", "gpt_oss")
 ACTIVATIONS = ("swiglu", "gpt_oss")
-
-
-def _swiglu(h_N2I: torch.Tensor) -> torch.Tensor:
-    gate, up = h_N2I.chunk(2, dim=-1)
-    return F.silu(gate) * up
 
 
 def _gpt_oss_glu(h_N2I: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
@@ -138,7 +135,7 @@ class GroupedExperts(torch.nn.Module):
         self.ffn_calls += 1
         act = (lambda h: checkpoint(self._act, h, use_reentrant=False)) if self.recompute == "act" else self._act
         qwen3 = self.layout == "qwen3"
-        if self.layout in GROUPED_LAYOUTS and _grouped_mm_ok(x_ND, gate_up, down):
+        if self.layout in GROUPED_LAYOUTS and grouped._grouped_mm_ok(x_ND, gate_up, down):
             counts_G = counts if torch.is_tensor(counts) else torch.tensor(counts, device=x_ND.device, dtype=torch.int64)
             offs = counts_G.cumsum(0, dtype=torch.int32)
             # mat2 [G, K, N]: Qwen3's [G, N, K] weights transposed (a view); GPT-OSS's are stored that way
@@ -226,12 +223,3 @@ class _RecomputedExperts(torch.autograd.Function):
 
 def host_counts(counts) -> list:
     return counts.tolist() if torch.is_tensor(counts) else counts
-
-
-def _grouped_mm_ok(x_ND: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
-    # torch._grouped_mm: CUDA (SM90 for bf16), 16-byte aligned rows (every matrix dim a multiple of 8 in bf16);
-    # the loop is the exact fallback elsewhere
-    return (x_ND.is_cuda and x_ND.dtype == torch.bfloat16 and gate_up.dtype == torch.bfloat16
-            and down.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and x_ND.shape[-1] % 8 == 0
-            and all(d % 8 == 0 for w in (gate_up, down) for d in w.shape[-2:])
-            and torch.cuda.get_device_capability(x_ND.device)[0] >= 9)

@@ -34,7 +34,9 @@ import torch
 
 from ..kernels.glu import glu_forward, glu_weighted_backward, reference_glu_weighted_backward
 from ..kernels.slot_sum import reference_slot_sum, slot_sum
+from . import grouped
 from .dispatch import AllToAllDispatcher
+from .grouped import _swiglu
 
 
 def applies(dispatcher, experts, x_TD: torch.Tensor) -> bool:
@@ -43,14 +45,13 @@ def applies(dispatcher, experts, x_TD: torch.Tensor) -> bool:
     its first use). moe.recompute: `act` recomputes what this pass recomputes anyway; `experts` keeps no h either and
     computes it again in backward (one grouped GEMM: the second projection's output is never needed), unless its
     inputs were asked to wait in host memory (offload_inputs: the three functions do that)."""
-    from .experts import _grouped_mm_ok  # experts.py imports this module
     from ..kernels.glu import glu_ok
     from ..kernels.slot_sum import slot_sum_ok
     return (type(dispatcher) is AllToAllDispatcher and dispatcher.ep == 1 and dispatcher.fused and experts.fused
             and experts.recompute in ("none", "act", "experts") and not experts.offload_inputs
             and experts.layout == "qwen3" and not experts.bias
             and experts.activation == "swiglu" and x_TD.is_cuda
-            and _grouped_mm_ok(x_TD, experts.gate_up_proj, experts.down_proj)
+            and grouped._grouped_mm_ok(x_TD, experts.gate_up_proj, experts.down_proj)
             and glu_ok(x_TD.device, x_TD.dtype) and slot_sum_ok(x_TD.device, x_TD.dtype))
 
 
@@ -118,7 +119,6 @@ class _Ops:
     def glu(self, h_N2I: torch.Tensor) -> torch.Tensor:
         if self.kernels:
             return glu_forward(h_N2I)
-        from .experts import _swiglu  # experts.py imports this module
         return _swiglu(h_N2I)
 
     def glu_backward(self, u_NI, h_N2I, w_N):
