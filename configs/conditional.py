@@ -12,6 +12,7 @@ from dataclasses import MISSING, dataclass, fields, is_dataclass
 from typing import Any, Callable
 
 from configs.errors import ConfigError
+from configs.linear_attention import LINEAR_FAMILIES
 from configs.moe import EP_FAMILIES
 
 
@@ -76,6 +77,9 @@ CONDITIONAL: dict[str, Rule] = {
                                     "model.loss_head=auto or ours, or trainer.fused_loss=false"),
     # the projection groups are bound with the fused kernels (kernels/bind.py); model.kernels=none binds nothing
     "model.projection_groups": Rule(lambda c: c.model.kernels != "none", "model.kernels=auto, liger or compile"),
+    # the linear layers' delta rule (configs/linear_attention.py checks its values where it is read)
+    "model.linear_attn_kernel": Rule(lambda c: c.model.family in LINEAR_FAMILIES,
+                                     f"model.family in {{{', '.join(LINEAR_FAMILIES)}}}"),
     "deepspeed.stage3_param_persistence_threshold": Rule(lambda c: c.deepspeed.zero_stage == 3,
                                                          "deepspeed.zero_stage=3", warn=True),
     "deepspeed.stage3_prefetch_bucket_size": Rule(lambda c: c.deepspeed.zero_stage == 3, "deepspeed.zero_stage=3",

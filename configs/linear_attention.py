@@ -6,19 +6,23 @@
 - No ring: parallelism.ring > 1 is refused, and so is ring=auto where it would pick one (heads that pure Ulysses
   cannot split at this cp). The linear layers' state runs along whole sequences; the largest cp that pure Ulysses
   splits is named.
-- memory=auto: the planner (ds_ulysses_ext/memory/planner.py) counts every layer as softmax attention; it does not
-  know the linear layers' saved tensors or FLOPs, so its choice would rest on a wrong model. A preset is asked for.
-- memory.recompute=except_attention: the policy keeps each layer's `self_attn` core out of recompute; Qwen's linear
-  layers have no `self_attn`, and keeping a linear layer's core (memory/except_attention.py does not know it) is not
-  checked. Another recompute preset is asked for.
-- model.kernels other than none: the fused RMSNorm binding (ds_ulysses_ext/kernels/bind.py) would take the linear
-  layers' gated output norms (a second, gate argument) for plain RMSNorms.
+- memory=auto, scripts/plan.py, memory.recompute=except_attention and model.kernels are not refused here: the planner
+  counts the linear layers (memory/planner.py), except_attention keeps their cores out of recompute as it keeps the
+  attention's (memory/except_attention.py), and the fused RMSNorm binding leaves their gated output norms eager
+  (kernels/bind.py binds a norm of one input that agrees with an RMSNorm; tests/test_linear_attention_memory.py).
+- model.linear_attn_kernel=fla on a CPU run, or where flash-linear-attention (with triton) does not import: its
+  kernels are Triton, on CUDA; torch or auto is asked for (check_linear_attn_kernel). On a family without linear
+  layers the key is refused by configs/conditional.py (set away from auto, it would be ignored).
 """
 
-from configs.errors import ConfigError, divisors, fmt, require
+from configs.errors import ConfigError, divisors, fmt, one_of, require
 from ds_ulysses_ext.attention.layout import valid_cp_values
+from ds_ulysses_ext.linear_attention.fla_kernels import KERNELS, fla_available
 from ds_ulysses_ext.linear_attention.heads import valid_linear_cp
 from ds_ulysses_ext.models import SUPPORTED
+
+# the families whose runs read model.linear_attn_kernel (configs/conditional.py refuses it on the others)
+LINEAR_FAMILIES = tuple(f.model_type for f in SUPPORTED.values() if f.linear)
 
 
 def _linear_heads(arch, family) -> tuple:
@@ -36,25 +40,8 @@ def check_linear_attention(cfg, world_size: int) -> None:
     family = SUPPORTED.get(cfg.model.family)
     if family is None or not family.linear:
         return
+    check_linear_attn_kernel(cfg)
     name, par, arch = cfg.model.family, cfg.parallelism, cfg.model.arch
-    require(
-        not cfg.memory.auto,
-        f"memory=auto with model.family={name}: the memory planner counts every layer as softmax attention and does "
-        "not know the linear-attention layers' saved tensors or FLOPs, so its choice would rest on a wrong model. "
-        "Choose a memory preset (memory=none, memory=full_recompute, memory=selective, ...)",
-    )
-    require(
-        cfg.memory.recompute != "except_attention",
-        f"memory.recompute=except_attention with model.family={name}: the policy keeps each layer's self_attn core "
-        "out of recompute and does not know the linear-attention layers. Choose another recompute policy "
-        "(memory=full_recompute, memory=selective, memory=block_recompute)",
-    )
-    require(
-        cfg.model.kernels == "none",
-        f"model.kernels={cfg.model.kernels} with model.family={name}: the fused RMSNorm binding "
-        "(ds_ulysses_ext/kernels/bind.py) would take the linear-attention layers' gated output norms for plain "
-        "RMSNorms. Set model.kernels=none",
-    )
     if par.cp < 1 or world_size % par.cp:
         return  # check_parallelism names that
     ring = str(par.ring).strip().lower()
@@ -79,3 +66,19 @@ def check_linear_attention(cfg, world_size: int) -> None:
             f"{num_q if family.mla else arch.get('num_key_value_heads', num_q)}, {linear[2]}={linear[0]} / "
             f"{linear[1]}: value heads must split over cp, key heads split or be copied to it), and a ring "
             f"(parallelism.ring=auto would add one) is refused: {why}. Choose parallelism.cp in {fmt(valid)}{largest}")
+
+
+def check_linear_attn_kernel(cfg) -> None:
+    """model.linear_attn_kernel, on a family with linear layers: a known value, and fla only where it can run."""
+    choice = cfg.model.linear_attn_kernel
+    one_of("model.linear_attn_kernel", choice, KERNELS)
+    if choice != "fla":
+        return
+    import torch
+    on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
+    require(not on_cpu, f"model.linear_attn_kernel=fla with model.family={cfg.model.family}: flash-linear-attention's "
+            "kernels run on CUDA only (Triton), and this run is on the CPU (device="
+            f"{cfg.device}); set model.linear_attn_kernel=torch (or auto, which picks fla on CUDA)")
+    require(fla_available(), "model.linear_attn_kernel=fla needs flash-linear-attention, which does not import here "
+            "(pip install fla-core==0.6.0; it needs triton); install it, or set model.linear_attn_kernel=torch (or "
+            "auto, which runs fla where it imports)")

@@ -1,5 +1,6 @@
 """ModelConfig: which HF causal LM to train and how to build it."""
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional
@@ -47,6 +48,10 @@ class ModelConfig:
     # gradients summed in cuBLAS's epilogue, and except_attention's replay skips the q/k/v GEMMs nothing reads
     # (ds_ulysses_ext/kernels/projections.py); false: HF's separate linears (to bisect a numerical difference)
     projection_groups: bool = True
+    # the linear-attention layers' delta rule (hybrid families only: Qwen3.5 / 3.6, Qwen3-Next, Ling-3.0): auto
+    # (flash-linear-attention's chunked kernels on CUDA in bf16 when fla imports, else the torch path) | fla | torch.
+    # fla is checked against torch at first use (ds_ulysses_ext/linear_attention/fla_kernels.py)
+    linear_attn_kernel: str = "auto"
 
 
 def check_model(model: ModelConfig) -> None:
@@ -74,9 +79,43 @@ def check_model(model: ModelConfig) -> None:
     for key in _LATENT_KEYS:
         if key in model.arch:
             check_latent_size(key, model.arch[key])
+    check_checkpoint_family(model)
     check_family_keys(model)
     check_routing_groups(model.arch)
     check_attention_keys(model.arch)
+
+
+def checkpoint_config(model: ModelConfig) -> Optional[dict]:
+    """A pretrained checkpoint's config.json, read as JSON (no transformers), where model.path is a local folder that
+    has one; None for a hub id or a random init."""
+    if model.source != "pretrained" or not model.path:
+        return None
+    path = Path(str(model.path)).expanduser() / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def shape_arch(model: ModelConfig) -> Mapping[str, Any]:
+    """The keys the shape rules and memory=auto read. A pretrained checkpoint in a local folder is built from its
+    config.json (engine/ds/hf_config.py), so its shape is that file's, not the preset's model.arch: a 4-layer or tiny
+    preset with a real checkpoint would otherwise be planned and checked as 4 or 2 layers. A hub id's config is known
+    only at load; the preset's arch stands in until then (and the model is checked again when built)."""
+    ckpt = checkpoint_config(model)
+    return model.arch if ckpt is None else ckpt
+
+
+def check_checkpoint_family(model: ModelConfig) -> None:
+    """The checkpoint must be the family the run names: model.family picks our attention, MoE and RoPE handling."""
+    ckpt = checkpoint_config(model)
+    if ckpt is None:
+        return
+    found = [ckpt.get("model_type")]
+    if isinstance(ckpt.get("text_config"), Mapping):  # Qwen3.5's or a VL checkpoint: its causal LM is the text model
+        found.append(ckpt["text_config"].get("model_type"))
+    require(
+        model.family in found,
+        f"model.path={model.path} holds a {found[0]!r} checkpoint (its config.json's model_type), but "
+        f"model.family={model.family}; set model.family={found[-1]} (or a preset of that family: model=<preset>)",
+    )
 
 
 def check_family_keys(model: ModelConfig) -> None:
@@ -135,7 +174,11 @@ def check_latent_size(key: str, size: int) -> None:
 
 
 def check_positions(cfg: "TrainConfig", ring: int) -> None:
-    # positions past what the model was built for silently extrapolate RoPE; known only when arch says it
+    # positions past what the model was built for silently extrapolate RoPE; known only when arch says it. A
+    # pretrained checkpoint may do so on purpose (long-context fine-tuning): the build says it, it does not refuse
+    # (engine/ds/hf_config.py position_warning)
+    if cfg.model.source == "pretrained":
+        return
     arch, at = decoder_arch(cfg.model.arch)
     limit = arch.get("max_position_embeddings")
     padded = padded_seq_len(cfg.data.seq_len, cfg.parallelism.cp, ring)

@@ -25,6 +25,7 @@ UNREAD = {
     "model.loss_head": (["trainer.fused_loss=false"], "ours"),
     "trainer.loss_chunk_size": (["model.kernels=liger", "model.loss_head=liger"], 64),
     "model.projection_groups": (["model.kernels=none"], False),
+    "model.linear_attn_kernel": ([], "torch"),  # model=tiny: a Llama, no linear-attention layers
     "trainer.on_corrupt_checkpoint": (["trainer.resume=false"], "abort"),
     "trainer.reshard_on_resume": (["trainer.resume=false"], False),
     "trainer.keep_checkpoints": (["trainer.save_at_end=false"], 2),

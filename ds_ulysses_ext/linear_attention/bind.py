@@ -12,11 +12,13 @@ run unsplit on its chunk.
 from __future__ import annotations
 
 import types
+from typing import Callable, Optional
 
 import torch
 
 from ..errors import UnsupportedError
 from .families import MIXERS
+from .fla_kernels import DeltaRuleKernel
 from .layer import LinearBinding, linear_attention_forward
 
 LINEAR = "linear_attention"
@@ -44,11 +46,27 @@ def linear_mixers(model) -> dict[int, torch.nn.Module]:
     return found
 
 
-def bind_linear_attention(model, state) -> int:
-    """Run every linear-attention layer of `model` under the CP state's topology; returns how many were bound."""
+def bind_linear_attention(model, state, kernel: str = "auto") -> int:
+    """Run every linear-attention layer of `model` under the CP state's topology; returns how many were bound.
+    `kernel`: model.linear_attn_kernel (fla_kernels.py), auto unless set_linear_attn_kernel says otherwise."""
     mixers = linear_mixers(model)
+    shared = DeltaRuleKernel(kernel)
     for module in mixers.values():
         module._cp_state = state
-        module.__dict__["_cp_linear"] = LinearBinding(MIXERS[type(module).__name__], state)
+        module.__dict__["_cp_linear"] = LinearBinding(MIXERS[type(module).__name__], state, kernel=shared)
         module.forward = types.MethodType(linear_attention_forward, module)
     return len(mixers)
+
+
+def set_linear_attn_kernel(model, kernel: str, fla_kernel: Optional[Callable] = None) -> int:
+    """model.linear_attn_kernel (auto | fla | torch) for every bound linear layer of `model`, after
+    enable_context_parallel; returns how many layers it set. A model without linear layers takes auto only.
+    `fla_kernel` (tests): kind -> a callable to run instead of fla's kernel, checked at first use as fla's is."""
+    bindings = [m.__dict__["_cp_linear"] for m in linear_mixers(model).values() if "_cp_linear" in m.__dict__]
+    if not bindings and kernel != "auto":
+        raise UnsupportedError(f"model.linear_attn_kernel={kernel}: {type(model).__name__} has no linear-attention "
+                               "layers bound by enable_context_parallel, so it would be ignored; leave it at auto")
+    shared = DeltaRuleKernel(kernel, fla_kernel)
+    for binding in bindings:
+        binding.kernel = shared
+    return len(bindings)

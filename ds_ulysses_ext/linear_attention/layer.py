@@ -24,8 +24,9 @@ rows is each document run alone (as for attention).
 
 A cache (generate, decoding) is HF's business: at cp=1 the call goes to HF's own forward, which updates it; under
 cp > 1 it is refused (generate() is refused there anyway).
-The GPU kernels these families ship with (flash-linear-attention's chunked delta rules, causal-conv1d) are not used
-yet: delta_rule.py is the torch reference they must match (docs/linear_attention.md says what is left).
+The recurrence runs in delta_rule.py (the reference) or, on CUDA, through flash-linear-attention's chunked kernels
+(fla_kernels.py, model.linear_attn_kernel): then the conv still runs per document row, and the delta rule in one flat
+call whose cu_seqlens restart the state at each document. The conv stays torch's (causal-conv1d has no wheel here).
 """
 from __future__ import annotations
 
@@ -39,10 +40,12 @@ from ..attention.exchange import head_to_seq, seq_to_head
 from ..attention.masks import CU_SEQLENS_KEY
 from ..comm import group_size
 from ..errors import UnsupportedError
+from ..length_check import verify_length
 from ..rope import ROPE_LENGTH_KEY
 from .delta_rule import CHUNK, chunked_delta_rule
 from .documents import per_document
 from .families import Mixer
+from .fla_kernels import DeltaRuleKernel
 from .heads import conv_channels, key_replication
 
 # kwargs the decoder layer hands every mixer that this one may ignore (integrate.py's list for attention): no cache
@@ -57,6 +60,9 @@ class LinearBinding:
     mixer: Mixer
     state: object  # integrate.CPState (topology, the per-forward length check)
     channels: torch.Tensor = None  # this rank's conv channels [C] int64, on the conv weight's device
+    # model.linear_attn_kernel: one object for every linear layer of the model (one resolution, one check per layout);
+    # None runs the torch delta rule
+    kernel: DeltaRuleKernel = None
 
 
 def linear_attention_forward(self, hidden_states: torch.Tensor, cache_params=None, attention_mask=None, **kwargs):
@@ -106,7 +112,7 @@ def _exchange_and_mix(m, binding: LinearBinding, p, cu_seqlens) -> torch.Tensor:
     parts = [t.reshape(B, s, cp, -1) for t in (q, k, p.v, p.decay_in, p.beta_in)]
     sizes = [t.shape[-1] for t in parts]
     mixed = seq_to_head(torch.cat(parts, dim=-1), group)[:, :, 0]                  # [B S X]
-    _verify_length(binding.state, s)
+    verify_length(binding.state, s)
     q, k, v, decay_in, beta_in = mixed.split(sizes, dim=-1)
     hv = nv // cp
     qkv = torch.cat([q, k, v], dim=-1)                                              # [B S C]: conv channel order
@@ -117,22 +123,33 @@ def _exchange_and_mix(m, binding: LinearBinding, p, cu_seqlens) -> torch.Tensor:
     weight, bias = _conv_weights(m, binding, nv, nk, dk, dv, cp, topo.cp_rank)
     act = ACT2FN[m.activation]
 
-    def mix(qkv_RLC, decay_RLh, beta_RLh):
-        # rows of whole sequences or of single documents [R L ...]: conv, gates, the delta rule
+    def conv(qkv_RLC):
+        # rows of whole sequences or of single documents [R L C]: the causal conv and its activation
         L = qkv_RLC.shape[1]
         x = F.conv1d(qkv_RLC.transpose(1, 2).to(weight.dtype), weight, bias, padding=weight.shape[-1] - 1,
                      groups=weight.shape[0])[..., :L]
-        x = act(x).to(qkv_RLC.dtype).transpose(1, 2)                                # [R L C]
+        return act(x).to(qkv_RLC.dtype).transpose(1, 2)                             # [R L C]
+
+    def rule_inputs(x, decay_RLh, beta_RLh):
+        # [R L C] conv output -> q, k [R L hv dk], v [R L hv dv], g [R L hv(, dk)], beta [R L hv]
         hk = (x.shape[-1] - hv * dv) // (2 * dk)
         qc, kc, vc = x.split([hk * dk, hk * dk, hv * dv], dim=-1)
         qc, kc = qc.unflatten(-1, (hk, dk)), kc.unflatten(-1, (hk, dk))
         if hv > hk:  # gated DeltaNet: each key head serves hv / hk consecutive value heads
             qc, kc = qc.repeat_interleave(hv // hk, dim=2), kc.repeat_interleave(hv // hk, dim=2)
-        g = binding.mixer.decay(m, decay_RLh, heads)
-        beta = beta_RLh.sigmoid()
-        return chunked_delta_rule(qc, kc, vc.unflatten(-1, (hv, dv)), g, beta)     # [R L hv dv]
+        return qc, kc, vc.unflatten(-1, (hv, dv)), binding.mixer.decay(m, decay_RLh, heads), beta_RLh.sigmoid()
 
-    o_BShD = per_document(mix, [qkv, decay_in, beta_in], cu_seqlens, CHUNK)
+    def mix(qkv_RLC, decay_RLh, beta_RLh):
+        return chunked_delta_rule(*rule_inputs(conv(qkv_RLC), decay_RLh, beta_RLh))  # [R L hv dv]
+
+    kernel = binding.kernel
+    if kernel is not None and kernel.uses_fla(qkv.device, qkv.dtype):
+        # the conv per document row (its window restarts), the delta rule in one flat call (fla_kernels.py)
+        B, S = qkv.shape[:2]
+        x = per_document(conv, [qkv], cu_seqlens, CHUNK)
+        o_BShD = kernel(kind, *rule_inputs(x, decay_in, beta_in), cu_seqlens, B, S)
+    else:
+        o_BShD = per_document(mix, [qkv, decay_in, beta_in], cu_seqlens, CHUNK)
     return head_to_seq(o_BShD, group)                                               # [B s nv dv]
 
 
@@ -144,8 +161,3 @@ def _conv_weights(m, binding: LinearBinding, nv, nk, dk, dv, cp, rank):
     idx = binding.channels
     weight = conv.weight.index_select(0, idx)
     return weight, (conv.bias.index_select(0, idx) if conv.bias is not None else None)
-
-
-def _verify_length(state, local_len: int) -> None:
-    from ..integrate import _verify_length as verify  # integrate imports this package: resolved at call time
-    verify(state, local_len)

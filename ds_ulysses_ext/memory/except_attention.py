@@ -133,6 +133,27 @@ def _layer_forward(forward: Callable, offload: Optional[AttentionOffload] = None
     return wrapper
 
 
+def _token_mixer(layer: torch.nn.Module, index: int) -> torch.nn.Module:
+    """The module whose core the policy keeps: `self_attn`, or a hybrid's linear-attention layer (`linear_attn`; Ling-3.0
+    names its linear modules `self_attn` too). A linear layer's core, the all-to-all, the conv and the chunked delta
+    rule (linear_attention/layer.py `_exchange_and_mix`), is kept out of recompute like the attention kernel rather than
+    recomputing the linear layer whole: the bound forward runs that core through the same `core_attention_wrapper`, so
+    the record-and-replay is the attention's, as exact, and the recompute issues no all-to-all there either; what is
+    recomputed is per token (the projections, the gated output norm, out_proj, the MLP). The bound forward exists only
+    after enable_context_parallel (any cp); HF's own would never reach the wrapper, and _layer_forward would raise."""
+    mixer = getattr(layer, "self_attn", None)
+    if mixer is None:
+        mixer = getattr(layer, "linear_attn", None)
+        if mixer is None:
+            raise ValueError(f"memory.recompute=except_attention: decoder layer {index} ({type(layer).__name__}) has "
+                             "neither self_attn nor linear_attn, so there is no core to keep out of recompute")
+    if hasattr(mixer, "conv1d") and "_cp_linear" not in mixer.__dict__:
+        raise ValueError(f"memory.recompute=except_attention: decoder layer {index}'s linear attention "
+                         f"({type(mixer).__name__}) runs HF's forward, which does not honour the policy's core "
+                         "wrapper; call enable_context_parallel on the model first (cp=1 included)")
+    return mixer
+
+
 class ExceptAttentionRecompute(MemoryPolicy):
     """Recompute each decoder layer but its core attention; `full_layers` of them are recomputed whole."""
 
@@ -162,7 +183,7 @@ class ExceptAttentionRecompute(MemoryPolicy):
                 self._wrap_forward(layer, checkpointed)
             else:
                 self._wrap_forward(layer, lambda forward: _layer_forward(forward, self.offload))
-                self._set_attr(layer.self_attn, "core_attention_wrapper", core_attention_wrapper)
+                self._set_attr(_token_mixer(layer, i), "core_attention_wrapper", core_attention_wrapper)
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(full_layers={self.full_layers}, method={self.method!r}, "

@@ -2,7 +2,7 @@
 
 A small cost model, linear in its coefficients, which are calibrated on measured one-H200 steps
 (planner_calibration.json: the rows, their source files, and the fitted coefficients; refit with
-`python scripts/fit_planner.py`). Everything else scales from the model's shape (hidden, layers, heads, head dim,
+`python scripts/bench/fit_planner.py`). Everything else scales from the model's shape (hidden, layers, heads, head dim,
 vocab, intermediate, experts) and the layout (local tokens = micro-batch x seq_len / cp; ZeRO shards the states
 over the world). docs/memory.md has the model's errors against the rows.
 
@@ -38,6 +38,13 @@ copies are taken as hidden behind compute (measured for attention_offload with a
 128k and 256k on one H200). cp > 1 divides tokens and attention per GPU and adds no
 communication term: the calibration rows are one GPU's.
 
+Hybrid models (config.layer_types "linear_attention": Qwen3.5 / 3.6, Qwen3-Next, Ling-3.0): a linear layer counts its
+own parameters (linear_params), the bytes our torch delta rule keeps per token (_linear_core_bytes, plus the gated
+output norm) in place of attention's, under except_attention its core kept as attention's is, and its recurrence's
+FLOPs (linear_layer_flops, linear in S) at the dense rate; the causal attention term counts the full layers only.
+These are estimates (no calibration row has a linear layer); with flash-linear-attention's kernels the recurrence
+saves less than counted here.
+
 Pure Python: no torch import, so scripts/plan.py plans an 8-GPU run on a laptop.
 """
 from __future__ import annotations
@@ -51,6 +58,10 @@ from typing import Any, Mapping, Optional
 GIB = 2 ** 30
 OFFLOAD_WINDOW = 3  # layer inputs on the GPU during an offloaded backward: the one in use and two prefetched
 QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")
+# full attention with Qwen3.5 / Qwen3-Next's output gate: q_proj makes q and a q-sized gate, sigmoid(gate) * out
+GATED_ATTENTION_FAMILIES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+KDA_FAMILIES = ("bailing_hybrid",)  # linear layers with a decay per key channel (Kimi delta attention)
+LINEAR_CHUNK = 64  # linear_attention/delta_rule.py CHUNK: tokens per chunk of the delta rule
 CALIBRATION_FILE = Path(__file__).with_name("planner_calibration.json")
 
 
@@ -78,6 +89,16 @@ class ModelShape:
     q_lora: int = 0
     kv_lora: int = 0
     rope_dim: int = 0
+    attn_gate: bool = False  # GATED_ATTENTION_FAMILIES' output gate on the full-attention layers
+    # linear-attention layers (config.layer_types "linear_attention"; linear_attention/): their indices, "gdn" (gated
+    # DeltaNet: Qwen3.5 / 3.6, Qwen3-Next) or "kda" (Ling-3.0), key / value heads and dims, conv kernel
+    linear_idx: tuple = ()
+    linear_kind: str = ""
+    lin_k_heads: int = 0
+    lin_v_heads: int = 0
+    lin_k_dim: int = 0
+    lin_v_dim: int = 0
+    lin_conv: int = 0
 
     @classmethod
     def from_arch(cls, arch: Mapping[str, Any], family: str = "") -> "ModelShape":
@@ -103,6 +124,7 @@ class ModelShape:
             dense |= set(range(int(a.get("first_k_dense_replace") or 0)))
             step = int(a.get("decoder_sparse_step") or 1)
             moe_layers = sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0)
+        linear = _linear_fields(a, family, layers, heads)
         return cls(layers=layers, hidden=hidden, intermediate=inter, heads=heads,
                    kv_heads=int(a.get("num_key_value_heads") or heads), head_dim=head_dim,
                    vocab=int(a["vocab_size"]), tied=bool(a.get("tie_word_embeddings", False)),
@@ -110,7 +132,8 @@ class ModelShape:
                    moe_layers=moe_layers,
                    qk_norm=bool(a.get("use_qk_norm", family in QK_NORM_FAMILIES)),
                    v_head_dim=int(a.get("v_head_dim") or 0), q_lora=int(a.get("q_lora_rank") or 0),
-                   kv_lora=int(a.get("kv_lora_rank") or 0), rope_dim=int(a.get("qk_rope_head_dim") or 0))
+                   kv_lora=int(a.get("kv_lora_rank") or 0), rope_dim=int(a.get("qk_rope_head_dim") or 0),
+                   attn_gate=family in GATED_ATTENTION_FAMILIES, **linear)
 
     # --- parameter counts
     @property
@@ -143,10 +166,37 @@ class ModelShape:
     def dense_layers(self) -> int:
         return self.layers - self.moe_layers
 
+    @property
+    def linear_layers(self) -> int:
+        return len(self.linear_idx)
+
+    @property
+    def full_layers(self) -> int:
+        """Softmax-attention layers (every layer but the linear ones)."""
+        return self.layers - self.linear_layers
+
+    @property
+    def lin_conv_channels(self) -> int:
+        """The linear layer's conv channels: q, k (key heads) and v (value heads)."""
+        return 2 * self.lin_k_heads * self.lin_k_dim + self.lin_v_heads * self.lin_v_dim
+
+    def linear_params(self) -> int:
+        """One linear-attention layer: its projections, conv, gates' parameters and gated output norm."""
+        if not self.linear_idx:
+            return 0
+        H, key, value, nv = self.hidden, self.lin_k_heads * self.lin_k_dim, self.lin_v_heads * self.lin_v_dim, \
+            self.lin_v_heads
+        conv = self.lin_conv_channels * self.lin_conv
+        if self.linear_kind == "kda":
+            # q, k, v, f (the forget gate), g (the output gate) [H, n d], b [H, n], o [n d, H]; A_log [n], dt_bias [n d]
+            return 5 * H * value + H * nv + value * H + conv + nv + value + self.lin_v_dim
+        # qkv [H, 2 key + value], z [H, value], a and b [H, nv], out [value, H]; A_log, dt_bias [nv]
+        return H * (2 * key + value) + H * value + 2 * H * nv + value * H + conv + 2 * nv + self.lin_v_dim
+
     def attention_params(self) -> int:
         H, o = self.hidden, self.out_width * self.hidden
         if not self.kv_lora:
-            return H * (self.q + self.kv + self.v_width) + o
+            return H * (self.q * (2 if self.attn_gate else 1) + self.kv + self.v_width) + o
         # MLA: q through its latent (or directly), k's nope part and v from the kv latent, k's rope part shared
         q = H * self.q_lora + self.q_lora * self.q if self.q_lora else H * self.q
         nope = self.head_dim - self.rope_dim
@@ -164,8 +214,28 @@ class ModelShape:
         embed = self.vocab * self.hidden * (1 if self.tied else 2)
         dense_mlp = 3 * self.hidden * self.intermediate
         moe = self.expert_params(active) + self.moe_other_params()
-        return (embed + self.layers * self.attention_params() + self.dense_layers * dense_mlp
-                + self.moe_layers * moe)
+        return (embed + self.full_layers * self.attention_params() + self.linear_layers * self.linear_params()
+                + self.dense_layers * dense_mlp + self.moe_layers * moe)
+
+
+def _linear_fields(a: Mapping[str, Any], family: str, layers: int, heads: int) -> dict:
+    """ModelShape's linear-attention fields from the HF config keys: layer_types where the config has it, else
+    Ling-3.0's rule (its config derives layer_types: every layer_group_size-th layer is full attention)."""
+    types_ = list(a.get("layer_types") or [])
+    if not types_ and family in KDA_FAMILIES:
+        group = int(a.get("layer_group_size") or 6)
+        types_ = ["full_attention" if (i + 1) % group == 0 else "linear_attention" for i in range(layers)]
+    idx = tuple(i for i, t in enumerate(types_[:layers]) if t == "linear_attention")
+    if not idx:
+        return {}
+    if family in KDA_FAMILIES:  # one head count and dim for q, k and v: the attention's (HF's config derives them)
+        dim = int(a.get("linear_head_dim") or a.get("head_dim") or int(a["hidden_size"]) // heads)
+        n = int(a.get("linear_num_heads") or heads)
+        return dict(linear_idx=idx, linear_kind="kda", lin_k_heads=n, lin_v_heads=n, lin_k_dim=dim, lin_v_dim=dim,
+                    lin_conv=int(a.get("linear_conv_kernel_dim") or a.get("short_conv_kernel_size") or 4))
+    return dict(linear_idx=idx, linear_kind="gdn", lin_k_heads=int(a["linear_num_key_heads"]),
+                lin_v_heads=int(a["linear_num_value_heads"]), lin_k_dim=int(a["linear_key_head_dim"]),
+                lin_v_dim=int(a["linear_value_head_dim"]), lin_conv=int(a.get("linear_conv_kernel_dim") or 4))
 
 
 @dataclass(frozen=True)
@@ -238,6 +308,42 @@ def _attention_bytes(s: ModelShape, run: RunShape) -> float:
     return 2 * (s.q + s.kv + s.v_width) + 2 * (s.q + s.kv) + 4 * s.out_width + qk_norms + 4 * s.latent_width
 
 
+def _full_attention_bytes(s: ModelShape, run: RunShape) -> float:
+    # the output gate: q_proj's q-sized second half, its sigmoid and the product's other operand (an estimate: 4q)
+    return _attention_bytes(s, run) + (4 * s.q if s.attn_gate else 0)
+
+
+def _linear_core_bytes(s: ModelShape) -> float:
+    """What one linear-attention layer's core saves per token (layer.py's _exchange_and_mix: the conv, the gates and
+    delta_rule.py's chunked recurrence), counted from what autograd keeps there in our torch path (bf16 model: 2 bytes,
+    the recurrence in fp32: 4). tests/test_linear_attention_memory.py measures it. Per token, h = value heads (q and k
+    are repeated to them before the recurrence), C = LINEAR_CHUNK:
+      conv: its input, its output (the activation's input) and the activation's output, 3 x 2 x conv channels;
+      gates: the decay's and beta's inputs and outputs, 2 + 4 + 4 + 2 bytes a value head (KDA: a decay per key channel);
+      recurrence, fp32 per head: q and k before the L2 norm and their norms 2 dk + 2, about twelve [C, d] tensors per
+        chunk (q, k, v, beta k, beta v, the solves' inputs and outputs: six of dk, six of dv; an estimate of which dim
+        each has), six [C, C] matrices (the decays, A, the scores: 6 C a token), the per-chunk w (dv) and the state each
+        chunk reads (dk x dv per chunk of C tokens: dk dv / C a token), a few scalars (3); KDA's decay per key channel
+        adds its [C, C, dk] exponents and their products (3 C dk, measured) and its per-channel decays (6 dk).
+    Nothing grows with S but through the tokens: the chunk's C x C and the state are per chunk, not per sequence."""
+    if not s.linear_idx:
+        return 0.0
+    h, dk, dv, C = s.lin_v_heads, s.lin_k_dim, s.lin_v_dim, LINEAR_CHUNK
+    kda = s.linear_kind == "kda"
+    conv = 3 * 2 * s.lin_conv_channels
+    gates = (2 + 4 + 4) * h * (dk if kda else 1) + 2 * h
+    per_head = 2 * dk + 2 + 6 * dk + 6 * dv + 6 * C + dv + dk * dv / C + 3 + ((3 * C + 6) * dk if kda else 0)
+    return conv + gates + 4 * h * per_head
+
+
+def _linear_bytes(s: ModelShape, run: RunShape) -> float:
+    """One linear-attention layer's mixer per token: the core, and the gated output norm (fp32 input, the fp32 gate's
+    activation input and output, the bf16 normed value and product, the per-row rsqrt; the product is out_proj's input).
+    Kernel mode does not change it: the fused RMSNorm never takes the gated norm (kernels/bind.py)."""
+    width = s.lin_v_heads * s.lin_v_dim
+    return _linear_core_bytes(s) + 3 * 4 * width + 2 * 2 * width + 4 * s.lin_v_heads
+
+
 def _mlp_bytes(s: ModelShape, run: RunShape, moe: bool, policy: Policy, transient: bool = False) -> float:
     """The MLP's saved bytes per token; tiled dense MLPs keep none (one tile is counted apart)."""
     if moe and run.moe_lean:
@@ -265,8 +371,9 @@ def _selective_saving(s: ModelShape, run: RunShape, moe: bool, tiled: bool) -> f
 
 
 def _layer_bytes(s: ModelShape, run: RunShape, moe: bool, policy: Policy, selective: bool,
-                 transient: bool = False) -> float:
-    b = 2 * _norm_bytes(s, run) + _attention_bytes(s, run) + _mlp_bytes(s, run, moe, policy, transient)
+                 transient: bool = False, linear: bool = False) -> float:
+    mixer = _linear_bytes(s, run) if linear else _full_attention_bytes(s, run)
+    b = 2 * _norm_bytes(s, run) + mixer + _mlp_bytes(s, run, moe, policy, transient)
     return b - (_selective_saving(s, run, moe, policy.tiled_mlp) if selective else 0.0)
 
 
@@ -283,6 +390,31 @@ def _whole_recomputed(s: ModelShape, policy: Policy) -> list[bool]:
 
 def _is_moe_layer(s: ModelShape) -> list[bool]:
     return [i >= s.dense_layers for i in range(s.layers)]  # which ones does not matter to the sums
+
+
+def _is_linear_layer(s: ModelShape) -> list[bool]:
+    return [i in s.linear_idx for i in range(s.layers)]
+
+
+def _core_kept_bytes(s: ModelShape, run: RunShape, linear: bool) -> float:
+    """What except_attention keeps of a layer it does not recompute whole, beside the layer input: the attention
+    kernel's q, k, v and output (+ the output in sequence layout at cp > 1), or a linear layer's core, whose saved
+    tensors and output (o, [B s nv dv]) it keeps the same way (memory/except_attention.py)."""
+    if linear:
+        return _linear_core_bytes(s) + 2 * s.lin_v_heads * s.lin_v_dim
+    return 2 * (s.q + s.kv + s.v_width + s.out_width) + (2 * s.hidden if run.cp > 1 else 0)
+
+
+def linear_layer_flops(s: ModelShape, tokens: int) -> float:
+    """One linear layer's chunked recurrence, forward, on `tokens` tokens of every value head (matmuls, 2 FLOPs a
+    multiply-add): per token and head A = (beta k) k^T over the chunk (C dk), the two triangular solves (C dv / 2 +
+    C dk / 2), the scores q k^T (C dk) and their product with w (C dv), and three state products (w's correction, the
+    output's read, the state's update: 3 dk dv). Linear in the tokens: no S x S term. Its projections and conv are in
+    the parameters (6 x parameters x tokens)."""
+    if not s.linear_idx:
+        return 0.0
+    C, dk, dv = LINEAR_CHUNK, s.lin_k_dim, s.lin_v_dim
+    return 2.0 * tokens * s.lin_v_heads * (C * (2.5 * dk + 1.5 * dv) + 3 * dk * dv)
 
 
 ZERO0_GRAD_SHARE = 0.2
@@ -313,13 +445,13 @@ def memory_features(shape: ModelShape, run: RunShape, policy: Policy) -> dict:
     s, T = shape, run.local_tokens
     whole = _whole_recomputed(s, policy)
     moe_layer = _is_moe_layer(s)
+    linear = _is_linear_layer(s)
     selective_everywhere = policy.recompute == "selective" or policy.selective_kept
     kept = host = transient = attention_on_gpu = 0.0
     inputs_offloaded = 0
     for i in range(s.layers):
         if whole[i] or policy.recompute == "except_attention":
-            attention_kept = 0.0 if whole[i] else (2 * (s.q + s.kv + s.v_width + s.out_width)
-                                                   + (2 * s.hidden if run.cp > 1 else 0))
+            attention_kept = 0.0 if whole[i] else _core_kept_bytes(s, run, linear[i])
             if policy.attention_offload and attention_kept:  # on the host; about two layers' stay on the GPU
                 host += attention_kept
                 attention_on_gpu = max(attention_on_gpu, attention_kept)
@@ -330,9 +462,10 @@ def memory_features(shape: ModelShape, run: RunShape, policy: Policy) -> dict:
                 kept += attention_kept
             else:
                 kept += 2 * s.hidden + attention_kept
-            transient = max(transient, _layer_bytes(s, run, moe_layer[i], policy, selective_everywhere, True))
+            transient = max(transient, _layer_bytes(s, run, moe_layer[i], policy, selective_everywhere, True,
+                                                    linear[i]))
         else:
-            layer = _layer_bytes(s, run, moe_layer[i], policy, selective_everywhere)
+            layer = _layer_bytes(s, run, moe_layer[i], policy, selective_everywhere, linear=linear[i])
             if policy.offload_activations:  # without recompute, every saved tensor goes to the host
                 host += layer
             else:
@@ -384,8 +517,10 @@ def time_features(s: ModelShape, run: RunShape, policy: Policy) -> dict:
     whole = _whole_recomputed(s, policy)
     n_whole = sum(whole)
     n_moe_whole = sum(w for w, m in zip(whole, _is_moe_layer(s)) if m)
-    layer_dense = s.attention_params() + 3 * s.hidden * s.intermediate
-    moe_dense = s.attention_params() + s.moe_other_params()
+    # a recomputed layer's mixer projections: the mean over full and linear layers (which are recomputed is spread)
+    mixer = (s.full_layers * s.attention_params() + s.linear_layers * s.linear_params()) / s.layers
+    layer_dense = mixer + 3 * s.hidden * s.intermediate
+    moe_dense = mixer + s.moe_other_params()
     # forward + backward of everything; recompute adds forwards
     lookup = 0 if s.tied else s.vocab * s.hidden  # the input embedding is a lookup, no matmul
     dense = 6 * T * (s.params(active=True) - lookup - s.moe_layers * s.expert_params(active=True))
@@ -403,7 +538,12 @@ def time_features(s: ModelShape, run: RunShape, policy: Policy) -> dict:
         experts += 2 * T * s.moe_layers * s.expert_params(active=True) * (2 / 3 if run.moe_lean else 1)
     # causal forward per layer, this GPU's heads: q.k^T over q/k's head dim, then p.v over v's
     attn_layer = 1.0 * (s.q + s.out_width) * S * S * run.micro_batch / run.cp
-    attn = attn_layer * (3 * s.layers + n_whole)
+    linear = _is_linear_layer(s)
+    n_whole_linear = sum(w for w, lin in zip(whole, linear) if lin)
+    attn = attn_layer * (3 * s.full_layers + n_whole - n_whole_linear)
+    # the linear layers' recurrence (forward, backward twice its forward, again where recomputed whole; except_attention
+    # replays its core): costed at the dense matmul rate, an estimate, no calibration row has a linear layer
+    dense += linear_layer_flops(s, T) * (3 * s.linear_layers + n_whole_linear)
     passes = 3 * s.layers + forwards_again + (s.layers if policy.recompute == "selective" or policy.selective_kept
                                               else 0)
     elem = passes * T * s.hidden

@@ -13,6 +13,7 @@ import torch
 from configs import Plan, TrainConfig
 from configs.moe import deepep_tokens_per_rank
 from ds_ulysses_ext import CPCausalLM, Topology, enable_context_parallel
+from ds_ulysses_ext.linear_attention import set_linear_attn_kernel
 from ds_ulysses_ext.kernels import apply_fused_kernels
 from ds_ulysses_ext.memory import ProbeResult, apply_memory_policies
 from ds_ulysses_ext.moe import moe_blocks
@@ -107,6 +108,7 @@ def build(cfg: TrainConfig, plan: Plan, topo: Topology, device: torch.device, lo
     ds_dict = to_deepspeed_dict(cfg, plan, load_universal)
     hf = build_hf_model(cfg, ds_dict, device)
     enable_context_parallel(hf, topo, backend=cfg.model.attn_backend)
+    set_linear_attn_kernel(hf, cfg.model.linear_attn_kernel)  # auto on a model without linear layers: a no-op
     stage = ds_dict["zero_optimization"]["stage"]
     if is_moe(cfg):
         enable_expert_parallel(hf, topo, moe_settings(cfg))
