@@ -4,12 +4,13 @@ Each config group's module holds its own checks (configs/model.py check_model, c
 check_parallelism, ...); validate() runs them in turn and derives the Plan. Only _check_choices, the table of
 every group's enum fields, lives here.
 Each refusal is a ConfigError whose message names the field(s) and the fix, in override syntax where it
-can (`parallelism.cp=2`), so the user can paste it. Rules about the model's shape read `model.arch`; with
-model.source=pretrained a key the preset does not repeat is unknown here and is checked at model load.
+can (`parallelism.cp=2`), so the user can paste it. Rules about the model's shape read `model.arch`, or with
+model.source=pretrained from a local folder the checkpoint's config.json (configs/model.py shape_arch); a hub
+checkpoint's shape is known only at load, where the model is checked again.
 The config is never mutated: derived values (dp, grad_accum) are returned in the Plan.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from configs.conditional import check_conditional_keys
 from configs.data import BAD_LINE_POLICIES, DATA_FORMATS, DATA_SOURCES, OVERLONG_POLICIES, check_data
@@ -17,7 +18,8 @@ from configs.errors import one_of, require
 from configs.linear_attention import check_linear_attention
 from configs.log import WANDB_MODES, check_logging
 from configs.memory import RECOMPUTE_METHODS, RECOMPUTE_POLICIES, check_memory
-from configs.model import ATTN_BACKENDS, MODEL_SOURCES, SUPPORTED_FAMILIES, check_model, check_positions, check_rope
+from configs.model import (ATTN_BACKENDS, MODEL_SOURCES, SUPPORTED_FAMILIES, check_model, check_positions, check_rope,
+                           shape_arch)
 from configs.moe import check_moe
 from configs.parallel import MASTER_WEIGHTS, check_deepspeed, check_parallelism, resolve_ring
 from configs.train import DEVICES, PRECISIONS, TrainConfig
@@ -50,6 +52,9 @@ def validate(cfg: TrainConfig, world_size: int) -> Plan:
     """Refuse any config that cannot run exactly on `world_size` ranks; return the derived Plan."""
     _check_choices(cfg)
     check_model(cfg.model)
+    # from here on the shape rules read the checkpoint's own config.json where there is one (configs/model.py
+    # shape_arch); a copy: the config itself is never changed
+    cfg = replace(cfg, model=replace(cfg.model, arch=dict(shape_arch(cfg.model))))
     check_data(cfg.data)
     check_trainer(cfg.trainer)
     check_logging(cfg)

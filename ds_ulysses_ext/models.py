@@ -146,7 +146,8 @@ def check_model_config(config, cp: int) -> None:
     if model_type not in SUPPORTED:
         raise UnsupportedError(
             f"model family {model_type!r} is not supported under context parallelism; supported: "
-            f"{sorted(SUPPORTED)}. Use one of those or run with parallelism.cp=1")
+            f"{sorted(SUPPORTED)}. Use one of those; scripts/train.py builds only these, at any cp (in a loop of "
+            "your own, train other models without enable_context_parallel)")
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedError("encoder-decoder models are not supported under context parallelism")
     text = text_config_of(config)  # a VL family's decoder shape, attention and RoPE are its text config's
@@ -161,7 +162,7 @@ def check_model_config(config, cp: int) -> None:
         raise UnsupportedError(
             f"{model_type} with rope_type {rope_types(rope_parameters_of(text))}: a length-dependent RoPE under the "
             "multimodal rotary is not checked under context parallelism. Set text_config.rope_parameters.rope_type "
-            "to default (what the Qwen3-VL checkpoints ship), or run with parallelism.cp=1")
+            "to default (what the Qwen3-VL checkpoints ship); the check holds at any cp, cp=1 included")
     check_attention_config(text)
     check_rope(text, cp)
     num_q = text.num_attention_heads

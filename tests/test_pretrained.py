@@ -4,9 +4,11 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 
+from configs import compose_config, validate
 from dist_harness import run_ranks
 from tiny_models import tiny_model
 
@@ -58,3 +60,36 @@ def test_pretrained_model_and_jsonl_data_train_at_cp2(tmp_path):
     ref = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), batch["labels"][:, 1:].reshape(-1),
                           ignore_index=-100).item()
     assert abs(rows[0]["loss"] - ref) / ref < 1e-5, (rows[0]["loss"], ref)
+
+
+def _saved_config(tmp_path, **over):
+    """A local checkpoint folder with only its config.json: a 2-layer Llama of 64k positions (nothing to load here;
+    validate reads the file as JSON)."""
+    from transformers import AutoConfig
+    kw = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=65536)
+    AutoConfig.for_model("llama", **{**kw, **over}).save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+def test_a_local_checkpoints_own_shape_is_checked_and_planned_not_the_presets(tmp_path):
+    """model=tiny (4 layers, 4,096 positions) with a 2-layer checkpoint of 64k positions: the rules and memory=auto read
+    the checkpoint's config.json, which is what gets built."""
+    from configs.errors import ConfigError
+    from engine.run.auto_memory import model_shape
+    base = ["model=tiny", "model.source=pretrained", f"model.path={_saved_config(tmp_path)}", "data=synthetic",
+            "parallelism.cp=2"]
+    # a length past the preset's positions but within the checkpoint's: the preset's arch refused it
+    assert validate(compose_config(base + ["data.seq_len=8192"]), world_size=2).seq_len == 8192
+    # recompute of more layers than the checkpoint has (the preset has 4): refused, naming the checkpoint's count
+    with pytest.raises(ConfigError, match=r"num_hidden_layers=2, got 3"):
+        validate(compose_config(base + ["memory=block_recompute", "memory.recompute_num_layers=3"]), world_size=2)
+    assert model_shape(compose_config(base)).layers == 2
+
+
+def test_a_checkpoint_of_another_family_is_refused_before_the_build(tmp_path):
+    from configs.errors import ConfigError
+    cfg = compose_config(["model=tiny_qwen3", "model.source=pretrained", f"model.path={_saved_config(tmp_path)}",
+                          "data=synthetic", "parallelism.cp=2"])
+    with pytest.raises(ConfigError, match=r"holds a 'llama' checkpoint .* but model.family=qwen3; set model.family=llama"):
+        validate(cfg, world_size=2)

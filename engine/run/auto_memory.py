@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import json
 import logging
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Mapping, Optional
 
 from omegaconf import OmegaConf
@@ -25,6 +23,7 @@ from configs import TrainConfig
 from configs.compose import HYDRA_CONF_DIR
 from configs.errors import ConfigError
 from configs.memory import AUTO_FILLS, MemoryConfig
+from configs.model import shape_arch
 from ds_ulysses_ext.memory.planner import ModelShape, Policy, Prediction, RunShape, load_calibration, predict
 
 from ..ds.config import effective_zero_stage
@@ -94,12 +93,8 @@ def preset_fields() -> dict:
 
 
 def model_shape(cfg: TrainConfig) -> ModelShape:
-    """model.arch, or a pretrained checkpoint's config.json (read as JSON: no transformers, no torch)."""
-    arch = dict(cfg.model.arch)
-    if cfg.model.source == "pretrained" and cfg.model.path:
-        config_json = Path(cfg.model.path) / "config.json"
-        if config_json.is_file():
-            arch = {**json.loads(config_json.read_text()), **arch}
+    """model.arch, or a pretrained checkpoint's config.json (configs/model.py shape_arch: read as JSON)."""
+    arch = dict(shape_arch(cfg.model))
     if isinstance(arch.get("text_config"), Mapping):  # a VL checkpoint (qwen3_vl): its language model is the shape
         arch = {**arch, **arch["text_config"]}
     return ModelShape.from_arch(arch, cfg.model.family)
