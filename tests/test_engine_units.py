@@ -53,6 +53,9 @@ def test_attention_flops_count_documents_and_windows_not_the_row():
     cfg.layer_types, cfg.sliding_window = ["full_attention", "sliding_attention", "full_attention"], 4
     assert step_flops(0, cfg, 1, 10) == per_sq * (100 + 64 + 100)
     assert step_flops(0, cfg, 1, 3) == per_sq * 3 * 9  # shorter than the window: the window changes nothing
+    # a hybrid (Qwen3.5): linear-attention layers add no S^2 term, only the full-attention layer does
+    cfg.layer_types = ["linear_attention", "linear_attention", "full_attention"]
+    assert step_flops(0, cfg, 1, 10) == per_sq * 100
     # MLA: QK^T over the q/k dim (nope 12 + rope 4), PV over v's (8); HF's head_dim is the rope part there
     mla = SimpleNamespace(head_dim=4, qk_nope_head_dim=12, qk_rope_head_dim=4, v_head_dim=8, hidden_size=32,
                           num_attention_heads=4, num_hidden_layers=1, sliding_window=None, layer_types=None)
@@ -221,7 +224,7 @@ def test_attention_benchmark_script_runs_on_cpu():
     import subprocess
     import sys
     root = Path(__file__).resolve().parent.parent
-    proc = subprocess.run([sys.executable, str(root / "scripts" / "bench_attention.py"), "--device", "cpu",
+    proc = subprocess.run([sys.executable, str(root / "scripts" / "bench" / "bench_attention.py"), "--device", "cpu",
                            "--seqs", "64", "--hq", "4", "--hkv", "2", "--head-dim", "8", "--reps", "1"],
                           capture_output=True, text=True, timeout=120, env={**os.environ, "MASTER_PORT": "29547"})
     assert proc.returncode == 0, proc.stderr[-2000:]

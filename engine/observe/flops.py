@@ -12,7 +12,9 @@ recompute lower MFU honestly. Same formula as ../anchor-bench/model_bench.py, so
 
 What attention really computes replaces S^2 where it is less: in a packed row each document is a sequence of
 its own (sum of its documents' L^2, not the row's S^2), and a sliding-window layer of window w sees at most w
-keys per query (2 S w - w^2 for S > w: the same causal-pairs convention). Counting a packed row as one causal
+keys per query (2 S w - w^2 for S > w: the same causal-pairs convention). A linear-attention layer (Qwen3.5's
+gated DeltaNet, Ling's KDA) has no S^2 term: its projections are in 6NT, and its chunked recurrence (about S * 64 *
+head dims per head) is left out, so a hybrid's MFU errs low, never high. Counting a packed row as one causal
 sequence would overstate the FLOPs, and a fast packed step would then trip the MFU-over-100% check.
 """
 from __future__ import annotations
@@ -36,11 +38,12 @@ def count_params(model) -> int:
 
 
 def layer_windows(hf_config) -> list:
-    """Each layer's sliding window (None: full attention), as HF's attention reads it."""
+    """Each layer's sliding window (None: full attention; 0: a linear-attention layer, no quadratic term), as HF's
+    attention reads it."""
     window = getattr(hf_config, "sliding_window", None)
     types = getattr(hf_config, "layer_types", None)
     if types:
-        return [window if t == "sliding_attention" else None for t in types]
+        return [window if t == "sliding_attention" else 0 if t == "linear_attention" else None for t in types]
     on = window and getattr(hf_config, "use_sliding_window", True)
     return [window if on else None] * hf_config.num_hidden_layers
 
