@@ -4,6 +4,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 from configs.errors import require
+from configs.model import decoder_arch  # a VL preset keeps the decoder's layer count under text_config
 
 RECOMPUTE_POLICIES = ("none", "full", "block", "selective", "budget", "except_attention")
 RECOMPUTE_METHODS = ("uniform", "block")
@@ -59,8 +60,9 @@ AUTO_FILLS = tuple(f.name for f in fields(MemoryConfig)
 
 def _layer_count_in_range(count: int, lowest: int, arch: Mapping[str, Any]) -> tuple[bool, str]:
     """Whether lowest <= count <= the model's layers (when known), and the upper bound for a message."""
-    num_layers = arch.get("num_hidden_layers")
-    upper = f" and <= model.arch.num_hidden_layers={num_layers}" if num_layers else ""
+    decoder, where = decoder_arch(arch)
+    num_layers = decoder.get("num_hidden_layers")
+    upper = f" and <= {where}num_hidden_layers={num_layers}" if num_layers else ""
     return count >= lowest and (not num_layers or count <= num_layers), upper
 
 

@@ -195,6 +195,13 @@ REFUSALS = [
         2,
         r"memory\.recompute_num_layers >= 1 and <= model\.arch\.num_hidden_layers=4, got 5",
     ),
+    (  # found by the GPU matrix: the VL preset's layer count sits under text_config, so this was refused only later,
+        # by the model build
+        "vl_block_recompute_too_many_layers",
+        ["model=tiny_qwen3_vl", "memory=selective_block"],
+        2,
+        r"memory\.recompute_num_layers >= 1 and <= model\.arch\.text_config\.num_hidden_layers=2, got 4",
+    ),
     (
         "budget_without_target",
         ["memory=budget", "memory.budget_gib=0"],

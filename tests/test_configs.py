@@ -235,7 +235,7 @@ def test_length_dependent_rope_takes_a_seq_len_that_cp_does_not_divide(rope_type
 
 
 def test_the_gpu_passkey_curriculum_is_a_chain():
-    # each stage of the 4-stage curriculum (docs/retrieval.md, scripts/bench_gpu.sh passkey) starts from the stage
+    # each stage of the 4-stage curriculum (docs/retrieval.md, scripts/bench/bench_gpu.sh passkey) starts from the stage
     # before's HF export, the first from random init; a stage pointing elsewhere would train on without a word
     stages = ["256", "1k", "32k", "128k"]
     cfgs = [compose_config([f"experiment=llama1b_1gpu_passkey_{s}"]) for s in stages]

@@ -1,4 +1,5 @@
-"""The two GPU defects of 2026-12-03, on a CUDA SM90 GPU (skipped elsewhere; `bash scripts/bench_gpu.sh gpu_tests`):
+"""The two GPU defects of 2026-12-03, on a CUDA SM90 GPU (skipped elsewhere;
+`bash scripts/bench/bench_gpu.sh gpu_tests`):
 
 - the Liger provider's RMSNorm (Liger's forward, kernels/rms_norm.py's backward) on the slice of torch.split that HF's
   MLA hands kv_a_layernorm: its backward read the slice as contiguous (dx 6e-2, dw 1.44 off, the forward right);

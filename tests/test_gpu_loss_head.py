@@ -1,5 +1,5 @@
 """The loss head's GPU paths against exact references, in bf16 on a CUDA SM90 GPU (skipped elsewhere; run on the
-device with `bash scripts/bench_gpu.sh gpu_tests`): kernels/cross_entropy.py's rows against the fp64 formula, and
+device with `bash scripts/bench/bench_gpu.sh gpu_tests`): kernels/cross_entropy.py's rows against the fp64 formula, and
 the heads loss.py and model.loss_head=liger run against HF's cross_entropy(logits.float()). Tolerances as
 tests/test_gpu_paths.py's (2e-2 relative on bf16 gradients) unless a test says otherwise.
 """

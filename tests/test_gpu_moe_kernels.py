@@ -1,4 +1,4 @@
-"""The MoE glue's Triton kernels on a CUDA SM90 GPU (skipped elsewhere; `bash scripts/bench_gpu.sh gpu_tests`):
+"""The MoE glue's Triton kernels on a CUDA SM90 GPU (skipped elsewhere; `bash scripts/bench/bench_gpu.sh gpu_tests`):
 kernels/slot_sum.py (the combine and the slot expansion's backward) and kernels/glu.py (the experts' SwiGLU),
 against fp32 formulas written here, and the whole MoE block with them against the same block on the torch path.
 fp32: relative 1e-5 per tensor; bf16: one rounding of the output (2**-8 relative per element, the values being

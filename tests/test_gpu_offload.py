@@ -1,6 +1,6 @@
 """The host link of the offloads (memory/offload.py HostLink) on a CUDA GPU (skipped elsewhere; run on the device with
-`bash scripts/bench_gpu.sh gpu_tests`). The CPU tests run the same hooks with clones; what only a GPU has is the side
-stream, so these tests are about its ordering and about the memory it holds reserved:
+`bash scripts/bench/bench_gpu.sh gpu_tests`). The CPU tests run the same hooks with clones; what only a GPU has is the
+side stream, so these tests are about its ordering and about the memory it holds reserved:
 
 - a reloaded tensor dropped before backward read it (a graph freed early) is settled before its block is reused:
   the late copy must not land in the block's next owner;

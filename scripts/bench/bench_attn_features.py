@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Kernel side of the attention features on one GPU: the ring's per-block kernels and sliding windows at 128k.
 
-    python3 scripts/bench_attn_features.py --parts ring,window                 # one H200, bf16, Llama-3.2-1B shape
-    python3 scripts/bench_attn_features.py --device cpu --seq 256 --rings 2,4 --windows 32,8 --sink-windows 8 \
+    python3 scripts/bench/bench_attn_features.py --parts ring,window           # one H200, bf16, Llama-3.2-1B shape
+    python3 scripts/bench/bench_attn_features.py --device cpu --seq 256 --rings 2,4 --windows 32,8 --sink-windows 8 \
         --reps 1 --query-block 48 --mask-block 64 --check                    # smoke test + exactness check, CPU
 
 Shape: B=1, Hq=32, Hkv=8, head dim 64 (Llama-3.2-1B attention), causal, forward + backward (dout given), bf16 on
@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 import ds_ulysses_ext.attention.ring_blocks as blocks_mod  # noqa: E402
 import ds_ulysses_ext.attention.ring_varlen as varlen_mod  # noqa: E402
 from ds_ulysses_ext.attention import flash_varlen  # noqa: E402

@@ -2,10 +2,10 @@
 """Training-step benchmark of the engine, side by side with the anchors in the same session.
 
     # one H200: our engine on the Llama-3.2-1B shape, then stock HF and ALST (../anchor-bench) at the same S
-    python3 scripts/bench_train.py --points 16384:none,32768:none,65536:none --anchors hf \
+    python3 scripts/bench/bench_train.py --points 16384:none,32768:none,65536:none --anchors hf \
         --anchor-dir .bench/anchor-bench
     # CPU smoke test
-    python3 scripts/bench_train.py --model tiny --device cpu --points 256:none --steps 2 --nproc 2
+    python3 scripts/bench/bench_train.py --model tiny --device cpu --points 256:none --steps 2 --nproc 2
 
 Each point S:MEMORY runs scripts/train.py in its own process group (fresh GPU memory) for --steps
 optimizer steps of one sequence per CP group; the first step is warm-up, the rest are timed (median).
@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent
 
 
 def run_ours(S, memory, args, out_root):

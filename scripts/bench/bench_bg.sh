@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # A benchmark that outlives one device command: started in its own process session, collected later.
 #
-#   bash scripts/bench_bg.sh start 'NGPU=2 bash scripts/bench_multigpu.sh exact scale'
-#   bash scripts/bench_bg.sh wait 560        # in this and later commands, while the machine stays warm
+#   bash scripts/bench/bench_bg.sh start 'NGPU=2 bash scripts/bench/bench_multigpu.sh exact scale'
+#   bash scripts/bench/bench_bg.sh wait 560        # in this and later commands, while the machine stays warm
 #
 # Why: one device command may run 10 minutes, a warm machine keeps its processes between commands, and a
 # benchmark session (several launches, each a few minutes) is longer than one command. `start` runs the
@@ -12,7 +12,7 @@
 # cut off later still returns what it finished. The packed results are few files, as the device returns
 # at most 8.
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 BG=${BG:-/tmp/bg}
 case ${1:-} in
   start)

@@ -2,8 +2,8 @@
 """Anchor: a stock HF training step of one of our model presets (DeepSeek-V3, GLM-4-MoE-Lite, GLM-4-MoE, any family
 transformers builds), the baseline our engine's step on the same shape is compared with.
 
-    python3 scripts/hf_moe_bench.py --model glm4_moe_lite_4l --seqs 32768,131072
-    python3 scripts/hf_moe_bench.py --model tiny_glm4_moe_lite --device cpu --seqs 64 --warmup 1 --reps 1   # smoke
+    python3 scripts/bench/hf_moe_bench.py --model glm4_moe_lite_4l --seqs 32768,131072
+    python3 scripts/bench/hf_moe_bench.py --model tiny_glm4_moe_lite --device cpu --seqs 64 --warmup 1 --reps 1  # smoke
 
 The model is HF's own class for the preset's family, built from hydra_conf/model/<model>.yaml's arch (the HF config
 our engine builds, engine/ds/hf_config.py; random init, nothing downloaded), in bf16 (--dtype), with SDPA attention,
@@ -20,6 +20,7 @@ family), applied to HF's classes before the build as Liger's users do; a family 
 """
 import argparse
 import gc
+import importlib.util
 import json
 import statistics
 import sys
@@ -28,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(ROOT))
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -62,15 +63,17 @@ def active_params(model, hf_config) -> int:
     return routed + sum(p.numel() for p in model.parameters() if id(p) not in experts)
 
 
-def build(hf_config, device, dtype, experts):
+def build(hf_config, device, dtype, experts, ckpt: bool = True):
     from transformers import AutoModelForCausalLM
-    hf_config._experts_implementation = experts
+    if any(getattr(hf_config, k, None) for k in ("num_experts", "n_routed_experts", "num_local_experts")):
+        hf_config._experts_implementation = experts  # HF refuses the key on a model with no experts
     torch.manual_seed(0)
     # built and initialised on the device itself: a 14B shape (deepseek_v3_2l) initialised on the host and moved took
     # over 120 s on the H200's host (docs/benchmarks.md AH)
     with device:
         model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa", dtype=dtype)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     model.train()
     return model
@@ -138,17 +141,20 @@ def main(argv=None):
                     "elsewhere), grouped_mm, batched_mm, eager")
     ap.add_argument("--overrides", nargs="*", default=[], help="Hydra overrides of the preset")
     ap.add_argument("--liger", action="store_true", help="HF + Liger-Kernel: the family's Liger patch function")
+    ap.add_argument("--no-ckpt", action="store_true", help="without HF's gradient checkpointing (fastest, most memory)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     experts = args.experts if args.experts != "auto" else ("grouped_mm" if device.type == "cuda" else "eager")
     import transformers
     model_cfg, hf_config = hf_config_of_preset(args.model, args.overrides)
     liger = apply_liger(hf_config.model_type) if args.liger else None
-    model = build(hf_config, device, DTYPES[args.dtype], experts)
+    model = build(hf_config, device, DTYPES[args.dtype], experts, ckpt=not args.no_ckpt)
     opt = make_optimizer(model)
     base = dict(bench="hf_moe_step" + ("+liger" if liger else ""), liger=liger, model=args.model, family=model_cfg.family,
                 layers=hf_config.num_hidden_layers, dtype=args.dtype, experts=experts, attn="sdpa",
-                device=str(device), n_params=sum(p.numel() for p in model.parameters()),
+                device=str(device), ckpt=not args.no_ckpt,
+                # hybrids: HF's delta rule is fla's chunked kernel when fla imports, else its torch fallback
+                fla_importable=importlib.util.find_spec("fla") is not None, n_params=sum(p.numel() for p in model.parameters()),
                 n_active=active_params(model, hf_config), transformers=transformers.__version__,
                 torch=torch.__version__)
     for S in (int(s) for s in args.seqs.split(",") if s):
@@ -157,6 +163,8 @@ def main(argv=None):
             one_length(model, opt, hf_config, S, args, device, rec)
         except torch.OutOfMemoryError as e:  # the next length still runs: free what this one held
             rec.update(status="oom", error=str(e)[:300])
+        except Exception as e:  # a kernel that fails (e.g. a Triton compile) is a result of the anchor too
+            rec.update(status="error", error=f"{type(e).__name__}: {str(e)[:300]}")
         opt.zero_grad(set_to_none=True)
         gc.collect()
         if device.type == "cuda":

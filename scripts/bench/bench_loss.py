@@ -5,7 +5,7 @@ cross-entropy (as HF + Liger runs it, weight gradient in bf16, and with accum_dt
 (impl, tokens, chunk): median time and the peak memory above the inputs. Issue 22 asks to keep the faster at equal
 memory.
 
-    python3 scripts/bench_loss.py --tokens 16384,32768 [--impls ours,liger] [--vocab 128256 --hidden 2048]
+    python3 scripts/bench/bench_loss.py --tokens 16384,32768 [--impls ours,liger] [--vocab 128256 --hidden 2048]
         [--chunks 0,2048,4096]
 
 Liger's is called as HF + Liger runs it (sum over tokens, ignore_index -100); its weight gradient is accumulated
@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 
 import torch  # noqa: E402
 

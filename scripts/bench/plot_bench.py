@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Plot tokens/s per GPU and peak memory against sequence length from bench_train.jsonl files.
 
-    python3 scripts/plot_bench.py docs/results/h200-2026-11-29/bench_train.jsonl --out docs/bench_1gpu.png
-    python3 scripts/plot_bench.py docs/results/h200x2-2026-11-30/side_by_side.jsonl --out docs/bench_2gpu.png \
+    python3 scripts/bench/plot_bench.py docs/results/h200-2026-11-29/bench_train.jsonl --out docs/bench_1gpu.png
+    python3 scripts/bench/plot_bench.py docs/results/h200x2-2026-11-30/side_by_side.jsonl --out docs/bench_2gpu.png \
         --title "Llama-3.2-1B shape, two H200s (cp = sp = 2), bf16, one sequence per step"
 
 Our series are split by attention backend (model.attn_backend=...; sdpa when a run names none, as bench_train

@@ -2,8 +2,8 @@
 """Fit memory=auto's cost model (ds_ulysses_ext/memory/planner.py) to the measured rows of
 ds_ulysses_ext/memory/planner_calibration.json, write the coefficients back, print predicted vs measured.
 
-    python scripts/fit_planner.py            # fit, write, print the markdown table (docs/memory.md has it)
-    python scripts/fit_planner.py --check    # print the table with the stored coefficients, write nothing
+    python scripts/bench/fit_planner.py            # fit, write, print the markdown table (docs/memory.md has it)
+    python scripts/bench/fit_planner.py --check    # print the table with the stored coefficients, write nothing
 
 Both parts are least squares on relative errors (each row divided by its measurement) with non-negative
 coefficients; both models are linear in their coefficients.
@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 
 import numpy as np  # noqa: E402
 

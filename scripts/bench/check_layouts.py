@@ -2,10 +2,10 @@
 """Exactness across layouts on real GPUs: the same run at cp = 1, 2, 4, ... NGPU must give the same loss
 and grad_norm at every step (within --rtol), on the same global batch.
 
-    python3 scripts/check_layouts.py --model tiny --precision fp32 --rtol 1e-5 --ngpu 2 --out exact.json
-    python3 scripts/check_layouts.py --model tiny --precision fp32 --device cpu --ngpu 2   # CPU smoke test
+    python3 scripts/bench/check_layouts.py --model tiny --precision fp32 --rtol 1e-5 --ngpu 2 --out exact.json
+    python3 scripts/bench/check_layouts.py --model tiny --precision fp32 --device cpu --ngpu 2   # CPU smoke test
     # MoE: layouts as cp:ep pairs, against the first one (world 1 when --ngpu-ref 1)
-    python3 scripts/check_layouts.py --model tiny_moe --layouts 1:1,2:2,2:4,4:4 --ngpu 4 --ngpu-ref 1 \
+    python3 scripts/bench/check_layouts.py --model tiny_moe --layouts 1:1,2:2,2:4,4:4 --ngpu 4 --ngpu-ref 1 \
         --extra moe.aux_loss_coef=0.1 moe.dispatcher=alltoall
 
 Every layout runs scripts/train.py under torchrun with NGPU ranks (dp = NGPU / cp) and --steps steps.
@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent
 
 
 def run_layout(cp, args, out_root, ep=1, ngpu=None):

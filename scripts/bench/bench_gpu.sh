@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Single-GPU benchmark session: our engine and the anchors (../anchor-bench, copied to .bench/) side by side.
 #
-#   bash scripts/bench_gpu.sh attn train_short            # parts, in the order given
+#   bash scripts/bench/bench_gpu.sh attn train_short            # parts, in the order given
 #
 # Parts:
 #   attn         ulysses_attention (group of 1) vs the backend directly, bf16 Hq32/Hkv8 D128, 32k + 128k
@@ -10,7 +10,7 @@
 #                $SHORT_POINTS replaces the S:memory list
 #   profile_16k  one step of ours at $PROF_POINT (default 16384:full_recompute; $PROF_DS the deepspeed preset, default
 #                zero3) under torch.profiler (logging.profile_step, engine/observe/profile.py; $EXTRA as above): the op table by GPU time is kept as $OUT/0_profile_16k.txt, and the per-phase breakdown
-#                of the trace (scripts/trace_phases.py: host ops, GPU busy and idle time) printed and kept as
+#                of the trace (scripts/bench/trace_phases.py: host ops, GPU busy and idle time) printed and kept as
 #                $OUT/0_phases_16k.txt
 #   memory_16k   step $MEM_STEP (default 2) of 3 at 16k of ours (full_recompute, bf16 master weights, model.kernels=liger; $MEM_POINT, $EXTRA) under
 #                the CUDA allocator's history (logging.memory_snapshot_step, engine/observe/memory_snapshot.py): what is
@@ -29,11 +29,11 @@
 #   site_cu13    unpack the cu13 archive (its parts from /tmp/fa4a/, .fa4a/ and .fa4b/) into the site folder
 #   fa4          our attention with FlashAttention-4 vs SDPA (cuDNN), group of 1, D=64 (the 1B model) and D=128
 #   fa4_tiles    FA4's own Hopper tile choice against variants, backward then forward, at the 1B model's attention shape
-#                (scripts/bench_fa4_tiles.py; $TILE_SEQS, default 16384,65536); $OUT/fa4_tiles.jsonl. About 1 min
+#                (scripts/bench/bench_fa4_tiles.py; $TILE_SEQS, default 16384,65536); $OUT/fa4_tiles.jsonl. About 1 min
 #   train_512k   one 512k step of ours (memory=except_attention_tiled) and of ALST (its measured maximum), no warm-up
 #   train_1m     one 1,048,576-token step of ours (memory=long_context); about 14 min at the measured 256k rate,
 #                which is over the device's 10-minute command limit on one H200
-#   moe_block    the MoE block, Qwen3-30B-A3B shape, bf16 fwd+bwd at 16k and 64k tokens: ours (scripts/bench_moe.py,
+#   moe_block    the MoE block, Qwen3-30B-A3B shape, bf16 fwd+bwd at 16k and 64k tokens: ours (scripts/bench/bench_moe.py,
 #                recompute none / experts / experts + offload) and the anchors, HF's grouped_mm block (moe_bench.py)
 #                and Liger's fused experts ($MOE_ANCHORS, default grouped_mm,liger; Liger's Triton autotune of its
 #                fused MoE kernel took over 170 s on a fresh machine on 2026-12-03: give the call 5 minutes)
@@ -47,10 +47,10 @@
 #                site_fa4 site_cu13), then HF + Liger at the same lengths. About 8 min
 #   optimizer    deepspeed=zero0's optimizer phase alone on $OPT_MODEL's parameter shapes (default qwen3_30b_a3b_4l, 3.1B
 #                bf16 parameters): the gradient norm, torch's fused AdamW, the Triton AdamW step and all of ClippingAdamW.step,
-#                each against a copy of as many bytes (scripts/bench_optimizer.py); $OUT/optimizer.jsonl. About 40 s
+#                each against a copy of as many bytes (scripts/bench/bench_optimizer.py); $OUT/optimizer.jsonl. About 40 s
 #   loss_head    the loss head alone at 16k and 32k tokens, Llama-3's vocabulary, bf16 forward + backward: ours (Triton
 #                rows, and torch's) against Liger-Kernel's fused linear cross-entropy (bf16 and fp32 weight-gradient
-#                accumulation), with each one's weight-gradient error against fp32 (scripts/bench_loss.py; $LOSS_ARGS:
+#                accumulation), with each one's weight-gradient error against fp32 (scripts/bench/bench_loss.py; $LOSS_ARGS:
 #                more arguments, e.g. --vocab 151936 --chunks 0,2048); $OUT/loss_head.jsonl
 #   track_loss   $TRACK_STEPS (default 50) bf16 steps of $TRACK_MODEL (default llama3_2_1b; $TRACK_DS the deepspeed preset,
 #                default zero3) at $TRACK_POINT (default 8192:full_recompute)
@@ -75,15 +75,15 @@
 #   mla_train    training steps of a reduced-depth MLA shape, $MLA_MODEL (default glm4_moe_lite_4l: GLM-4.7-Flash's
 #                first 4 layers; deepseek_v3_2l: DeepSeek-V3's first dense and one MoE layer): ours ($MLA_POINTS, S:memory,
 #                default 32768:full_recompute,131072:long_context; bf16 master weights, moe.dispatcher=alltoall,
-#                $MLA_EXTRA) and stock HF on the same preset (scripts/hf_moe_bench.py: SDPA, grouped_mm experts, HF
+#                $MLA_EXTRA) and stock HF on the same preset (scripts/bench/hf_moe_bench.py: SDPA, grouped_mm experts, HF
 #                gradient checkpointing, fused AdamW on bf16 parameters) at $MLA_HF_SEQS (default 32768,131072: 128k
 #                is expected to run out of memory, reported as status oom); HF's lines also in $OUT/mla_train_hf.jsonl
-#   mla_liger    HF + Liger-Kernel on $MLA_MODEL (default deepseek_v3_2l) at $MLA_HF_SEQS (scripts/hf_moe_bench.py --liger: the family's Liger patch
+#   mla_liger    HF + Liger-Kernel on $MLA_MODEL (default deepseek_v3_2l) at $MLA_HF_SEQS (scripts/bench/hf_moe_bench.py --liger: the family's Liger patch
 #                function; Liger 0.8.5 has DeepSeek-V3's, not GLM-4-MoE-Lite's); $OUT/mla_train_hf_liger.jsonl
 #   train_1m_4l  the same 1M-token step with 4 of the 16 layers: GPU memory is set by one layer's working set
 #                plus offloaded inputs (host), so this shows whether 1M fits; time scales ~linearly with layers
 #   attn_features  attention features at 128k, bf16 Hq32/Hkv8 D64, fwd+bwd, against one full causal SDPA (cuDNN) call
-#                in the same process (scripts/bench_attn_features.py; an exactness check of the simulation first):
+#                in the same process (scripts/bench/bench_attn_features.py; an exactness check of the simulation first):
 #                ring.py's per-block kernels (ring_blocks.py, as shipped) + fp32 merge at ring 2 and 4 simulated on
 #                one GPU (rank 0's work x ring size) and the same blocks through SDPA (a projection), then sliding
 #                windows 4096 and 128 (and 128 + sinks) through backends.local_attention (flash_varlen.py on the GPU)
@@ -92,7 +92,7 @@
 #                (e.g. --backend fa4); $OUT/attn_features.jsonl. About 1 min
 #   pack_sft     packed SFT, Llama-3.2-1B shape: chat-like lengths (lognormal, median 600, clipped to 16..16384)
 #                packed into 32k and 128k rows vs one sample per padded 16k row, real tokens/s through
-#                scripts/train.py (scripts/bench_packing.py; $PACK_ARGS: more arguments); $OUT/pack_sft.jsonl and
+#                scripts/train.py (scripts/bench/bench_packing.py; $PACK_ARGS: more arguments); $OUT/pack_sft.jsonl and
 #                the runs' folders under $OUT/pack_sft/. About 2-2.5 min
 #   passkey      the passkey curriculum on one GPU (docs/retrieval.md): the stages of $PK_STAGES in order, each
 #                `stage:minutes` (default "256:1.5 1k:2.3 32k:4"; then "128k:3.2" in a second call, as the
@@ -100,10 +100,20 @@
 #                trainer.max_minutes, each reading the previous stage's export; $PK_ARGS: more overrides for every
 #                stage. Each stage's metrics.jsonl, retrieval.json and .png go to $OUT as one tar (fewer files);
 #                a stage that fails stops the chain (the next would read a missing or an earlier call's export)
-#   gpu_matrix   the GPU exactness matrix (scripts/gpu_matrix.py): every family at a small shape with its real head dims,
+#   hybrid_train training steps of a reduced-depth hybrid linear-attention shape, $HYB_MODEL (default qwen3_5_35b_a3b_4l:
+#                Qwen3.5-35B-A3B's first 4 layers; qwen3_5_9b_4l: the dense Qwen3.5-9B's): ours ($HYB_POINTS, S:memory,
+#                default 32768:full_recompute,131072:full_recompute; bf16 master weights, SDPA, $HYB_EXTRA, default
+#                moe.dispatcher=alltoall: set it empty for a dense model), then stock HF on the same preset (scripts/bench/hf_moe_bench.py: SDPA, HF checkpointing) at
+#                $HYB_HF_SEQS (default 32768,131072) with its torch delta rule, and, where $FLA_SITE holds fla-core, HF
+#                with fla's kernels at the first of them (ours sees fla there too: model.linear_attn_kernel=auto);
+#                $OUT/hybrid_train.jsonl
+#   gpu_matrix   the GPU exactness matrix (scripts/bench/gpu_matrix.py): every family at a small shape with its real head dims,
 #                each model.kernels, every preset memory=auto can choose, zero0 / zero3, the optimizer step in backward,
 #                packed documents, against the fp32 eager unsplit model; $OUT/gpu_matrix.jsonl; $MATRIX_ARGS: more
-#                arguments (--families, --only, --reinstate-contiguity-bug for the self-check). docs/gpu_matrix.md
+#                arguments (--families, --only, --fa4, --fla, --reinstate-contiguity-bug for the self-check). Families
+#                run in $MATRIX_JOBS (8) processes side by side; no cell starts after $MATRIX_DEADLINE_S (520) s, and the
+#                rows collect in outputs/gpu_matrix.jsonl, which a warm machine keeps: run the part again in the next
+#                call and it runs only the cells still missing (--resume). docs/gpu_matrix.md
 #   auto_memory  memory=auto through scripts/train.py: the Llama-3.2-1B shape at $AUTO_POINTS (default 16k-128k) and the
 #                4-layer Qwen3-30B-A3B shape at $AUTO_MOE_POINTS (default 16k, 32k), 3 steps each, with the choice logged
 #   gpu_tests    the suite's GPU-only tests (skipped on CPU): tests/test_gpu_exactness.py (the MLA RMSNorm slice, selective
@@ -114,8 +124,8 @@
 #                the log is $OUT/gpu_tests.txt. Run it before measuring those paths. After site_fa4 site_cu13
 #                (the FA4 recipe below) it also checks FA4's varlen, window and sink arguments
 #   bg_1m_start  the full 16-layer 1M step ($BG_POINT, default 1048576:long_context; $BG_ARGS: more bench_train
-#                arguments) in the background, through scripts/bench_bg.sh (BG=/tmp/bg1m), so it outlives the command
-#   bg_1m_wait   wait up to $WAIT_S (default 570) s for that run, then pack it into $OUT (scripts/bench_bg.sh wait);
+#                arguments) in the background, through scripts/bench/bench_bg.sh (BG=/tmp/bg1m), so it outlives the command
+#   bg_1m_wait   wait up to $WAIT_S (default 570) s for that run, then pack it into $OUT (scripts/bench/bench_bg.sh wait);
 #                call it again in the next command if it is still running (the machine must stay warm between)
 # Needs: .whl/ (DeepSpeed 0.19.8 + hjson, pydantic(-core), annotated-types, typing-inspection, hydra-core,
 # omegaconf, antlr4 wheels) and .bench/anchor-bench; results under $OUT (default outputs/bench).
@@ -126,25 +136,25 @@
 # cu13.tar.xz = the files of nvidia_cutlass_dsl_libs_cu13-4.8.1 (unzip the wheel, `tar c . | xz -9e`), cut by
 # `split -b 30000000 -d cu13.tar.xz cu13.tar.xz.part-`: part-00 in .fa4a/, the others in .fa4b/.
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 export OUT=${OUT:-$PWD/outputs/bench}
 mkdir -p "$OUT"
-source scripts/bench_site.sh
+source scripts/bench/bench_site.sh
 for part in ${*:-attn train_short train_long}; do
   echo "=== $part $(date +%T)"
   case $part in
-    attn) python3 scripts/bench_attention.py --seqs 32768,131072 --reps 10 | tee -a "$OUT/attn.jsonl" ;;
-    train_short) python3 scripts/bench_train.py --points ${SHORT_POINTS:-16384:full_recompute,32768:full_recompute,65536:full_recompute} \
+    attn) python3 scripts/bench/bench_attention.py --seqs 32768,131072 --reps 10 | tee -a "$OUT/attn.jsonl" ;;
+    train_short) python3 scripts/bench/bench_train.py --points ${SHORT_POINTS:-16384:full_recompute,32768:full_recompute,65536:full_recompute} \
                    --anchors hf --steps 4 ${EXTRA:-} ;;
-    profile_16k) OUT=$OUT/prof python3 scripts/bench_train.py --points ${PROF_POINT:-16384:full_recompute} --steps 4 \
+    profile_16k) OUT=$OUT/prof python3 scripts/bench/bench_train.py --points ${PROF_POINT:-16384:full_recompute} --steps 4 \
                    logging.profile_step=4 ${EXTRA:-} --deepspeed ${PROF_DS:-zero3}
                  prof=$(ls -d "$OUT"/prof/ours_*_cp1 | head -1)
                  cp "$prof/profile_step4_rank0.txt" "$OUT/0_profile_16k.txt"
-                 python3 scripts/trace_phases.py "$prof/profile_step4_rank0.json" --top 12 | tee "$OUT/0_phases_16k.txt" ;;
-    memory_16k) OUT=$OUT/mem python3 scripts/bench_train.py --points ${MEM_POINT:-16384:full_recompute} --steps 3 \
+                 python3 scripts/bench/trace_phases.py "$prof/profile_step4_rank0.json" --top 12 | tee "$OUT/0_phases_16k.txt" ;;
+    memory_16k) OUT=$OUT/mem python3 scripts/bench/bench_train.py --points ${MEM_POINT:-16384:full_recompute} --steps 3 \
                   deepspeed.master_weights=bf16 model.kernels=liger logging.memory_snapshot_step=${MEM_STEP:-2} ${EXTRA:-} | cut -c1-400
                 cp "$OUT"/mem/ours_*/memory_step${MEM_STEP:-2}_rank0.txt "$OUT/0_memory_16k.txt" && cat "$OUT/0_memory_16k.txt" ;;
-    train_long) python3 scripts/bench_train.py --points ${LONG_POINTS:-131072:except_attention,262144:except_attention} \
+    train_long) python3 scripts/bench/bench_train.py --points ${LONG_POINTS:-131072:except_attention,262144:except_attention} \
                   --anchors "${ANCHORS-alst}" --steps ${LONG_STEPS:-2} ${EXTRA:-} ;;
     site_fa4) python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
                 .fa4w/*.whl && echo "FA4 wheels installed into $SITE" ;;
@@ -153,42 +163,42 @@ for part in ${*:-attn train_short train_long}; do
                parts=$(for f in /tmp/fa4a/cu13.tar.xz.part-* .fa4a/cu13.tar.xz.part-* .fa4b/cu13.tar.xz.part-*; do
                          [ -f "$f" ] && echo "$(basename "$f") $f"; done | sort -u -k1,1 | cut -d' ' -f2)
                cat $parts | tar -xJ -C "$SITE" && echo "cutlass-dsl cu13 libs unpacked into $SITE from" $parts ;;
-    fa4_tiles) for d in bwd fwd; do python3 scripts/bench_fa4_tiles.py $d --seqs ${TILE_SEQS:-16384,65536} 2>&1 \
+    fa4_tiles) for d in bwd fwd; do python3 scripts/bench/bench_fa4_tiles.py $d --seqs ${TILE_SEQS:-16384,65536} 2>&1 \
                  | grep '^{' | tee -a "$OUT/fa4_tiles.jsonl"; done ;;
     fa4) python3 -c "import flash_attn.cute; print('flash_attn.cute imports')" 2>&1 | tail -2
          for d in 64 128; do
-           python3 scripts/bench_attention.py --seqs 32768,131072 --reps 5 --head-dim $d --backend sdpa | tee -a "$OUT/attn.jsonl"
-           python3 scripts/bench_attention.py --seqs 32768,131072 --reps 5 --head-dim $d --backend fa4 | tee -a "$OUT/attn.jsonl"
+           python3 scripts/bench/bench_attention.py --seqs 32768,131072 --reps 5 --head-dim $d --backend sdpa | tee -a "$OUT/attn.jsonl"
+           python3 scripts/bench/bench_attention.py --seqs 32768,131072 --reps 5 --head-dim $d --backend fa4 | tee -a "$OUT/attn.jsonl"
          done ;;
-    train_512k) python3 scripts/bench_train.py --points 524288:except_attention_tiled --anchors alst --steps 1 \
+    train_512k) python3 scripts/bench/bench_train.py --points 524288:except_attention_tiled --anchors alst --steps 1 \
                   --timeout 420 ;;
-    bg_1m_start) BG=/tmp/bg1m bash scripts/bench_bg.sh start "python3 scripts/bench_train.py --points \
+    bg_1m_start) BG=/tmp/bg1m bash scripts/bench/bench_bg.sh start "python3 scripts/bench/bench_train.py --points \
                    ${BG_POINT:-1048576:long_context} --steps 1 --timeout 1700 ${BG_ARGS:-}" ;;
-    bg_1m_wait) BG=/tmp/bg1m bash scripts/bench_bg.sh wait "${WAIT_S:-570}" ;;
-    moe_block) python3 scripts/bench_moe.py --tokens 16384,65536 --modes ${MOE_MODES:-none,experts_g8,experts,experts_offload} \
+    bg_1m_wait) BG=/tmp/bg1m bash scripts/bench/bench_bg.sh wait "${WAIT_S:-570}" ;;
+    moe_block) python3 scripts/bench/bench_moe.py --tokens 16384,65536 --modes ${MOE_MODES:-none,experts_g8,experts,experts_offload} \
                  | tee -a "$OUT/moe_block.jsonl"
                python3 .bench/anchor-bench/moe_bench.py --tokens 16384,65536 --impls ${MOE_ANCHORS:-grouped_mm,liger} \
                  | grep RESULT | tee -a "$OUT/moe_block.jsonl" ;;
     kernels_short) for k in ${KERNELS:-liger none}; do
-                     python3 scripts/bench_train.py --points ${SHORT_POINTS:-16384:full_recompute,32768:full_recompute} \
+                     python3 scripts/bench/bench_train.py --points ${SHORT_POINTS:-16384:full_recompute,32768:full_recompute} \
                        --steps 4 --deepspeed ${DS:-zero3} deepspeed.master_weights=bf16 model.kernels=$k ${EXTRA:-}; done
-                   python3 scripts/bench_train.py --points ${SHORT_POINTS:-16384:full_recompute,32768:full_recompute} \
+                   python3 scripts/bench/bench_train.py --points ${SHORT_POINTS:-16384:full_recompute,32768:full_recompute} \
                      --steps 4 --anchors ${SHORT_ANCHORS:-hf+liger} --order anchors-first --no-ours ;;
     equal_memory) pts=${EQ_POINTS:-16384:except_attention_offload,32768:except_attention_offload,65536:except_attention_offload}
                   for be in ${EQ_BACKENDS:-sdpa fa4}; do
-                    python3 scripts/bench_train.py --points $pts --steps 4 --deepspeed zero0 deepspeed.master_weights=bf16 \
+                    python3 scripts/bench/bench_train.py --points $pts --steps 4 --deepspeed zero0 deepspeed.master_weights=bf16 \
                       model.kernels=liger memory.offload_activations=true model.attn_backend=$be ${EXTRA:-} | grep RESULT | cut -c1-900
                   done
-                  python3 scripts/bench_train.py --points $pts --steps 4 --anchors hf+liger --order anchors-first --no-ours \
+                  python3 scripts/bench/bench_train.py --points $pts --steps 4 --anchors hf+liger --order anchors-first --no-ours \
                     | grep RESULT | cut -c1-900 ;;
-    optimizer) python3 scripts/bench_optimizer.py --model ${OPT_MODEL:-qwen3_30b_a3b_4l} | tee -a "$OUT/optimizer.jsonl" ;;
-    loss_head) python3 scripts/bench_loss.py --tokens ${LOSS_TOKENS:-16384,32768} ${LOSS_ARGS:-} | tee -a "$OUT/loss_head.jsonl" ;;
+    optimizer) python3 scripts/bench/bench_optimizer.py --model ${OPT_MODEL:-qwen3_30b_a3b_4l} | tee -a "$OUT/optimizer.jsonl" ;;
+    loss_head) python3 scripts/bench/bench_loss.py --tokens ${LOSS_TOKENS:-16384,32768} ${LOSS_ARGS:-} | tee -a "$OUT/loss_head.jsonl" ;;
     track_loss) tp=${TRACK_POINT:-8192:full_recompute}
                 for k in liger none control; do
                   # control: eager again, its loss head in chunks of 1024 instead of 2048: a change of bf16 rounding
                   # only, the noise floor the fused run's difference is read against
                   if [ $k = control ]; then kk="model.kernels=none trainer.loss_chunk_size=1024"; else kk="model.kernels=$k"; fi
-                  python3 scripts/bench_train.py --model ${TRACK_MODEL:-llama3_2_1b} --points $tp --steps ${TRACK_STEPS:-50} \
+                  python3 scripts/bench/bench_train.py --model ${TRACK_MODEL:-llama3_2_1b} --points $tp --steps ${TRACK_STEPS:-50} \
                     deepspeed.master_weights=bf16 ${TRACK_ARGS-trainer.lr=1e-4} $kk --deepspeed ${TRACK_DS:-zero3} \
                     | grep RESULT | cut -c1-300
                   cp "$OUT/ours_${TRACK_MODEL:-llama3_2_1b}_${tp%%:*}_${tp##*:}_cp1/metrics.jsonl" "$OUT/track_loss_$k.jsonl"
@@ -202,42 +212,55 @@ for name, a in zip(('liger', 'control'), runs):
                   "$OUT/track_loss_none.jsonl" "$OUT/track_loss_liger.jsonl" "$OUT/track_loss_control.jsonl" ;;
     moe_equal) C="deepspeed.master_weights=bf16 moe.dispatcher=alltoall model.kernels=liger trainer.grad_clip=0"
                C="$C trainer.optimizer_in_backward=true model.attn_backend=${MOE_EQ_BACKEND:-fa4}"
-               python3 scripts/bench_train.py --model qwen3_30b_a3b_4l --points 16384:none --steps 4 $C --deepspeed zero0 \
+               python3 scripts/bench/bench_train.py --model qwen3_30b_a3b_4l --points 16384:none --steps 4 $C --deepspeed zero0 \
                  | grep RESULT | cut -c1-1200
-               python3 scripts/bench_train.py --model qwen3_30b_a3b_4l --points 32768:none --steps 4 $C moe.recompute=experts \
+               python3 scripts/bench/bench_train.py --model qwen3_30b_a3b_4l --points 32768:none --steps 4 $C moe.recompute=experts \
                  --deepspeed zero0 | grep RESULT | cut -c1-1200
                python3 -u .bench/anchor-bench/moe_model_bench.py --seqs 16384,32768 --layers 4 --liger 2>&1 \
                  | grep RESULT | tee "$OUT/moe_equal_hf_liger.jsonl" ;;
     dense_equal) C="deepspeed.master_weights=bf16 model.kernels=liger trainer.grad_clip=0 trainer.optimizer_in_backward=true"
                  C="$C model.attn_backend=fa4"
-                 python3 scripts/bench_train.py --steps 5 --no-phase-times --points 16384:none,32768:none,65536:none $C \
+                 python3 scripts/bench/bench_train.py --steps 5 --no-phase-times --points 16384:none,32768:none,65536:none $C \
                    --deepspeed zero0 | grep RESULT | cut -c1-1200 | tee -a "$OUT/dense_equal.jsonl"
-                 python3 scripts/bench_train.py --steps 5 --no-phase-times --points \
+                 python3 scripts/bench/bench_train.py --steps 5 --no-phase-times --points \
                    16384:except_attention_offload,32768:except_attention_offload $C memory.offload_activations=true \
                    --deepspeed zero0 | grep RESULT | cut -c1-1200 | tee -a "$OUT/dense_equal.jsonl"
-                 python3 scripts/bench_train.py --steps 4 --points 16384:none,32768:none,65536:none --anchors hf+liger \
+                 python3 scripts/bench/bench_train.py --steps 4 --points 16384:none,32768:none,65536:none --anchors hf+liger \
                    --order anchors-first --no-ours | grep RESULT | cut -c1-1200 | tee -a "$OUT/dense_equal.jsonl" ;;
     moe_short) for k in ${KERNELS:-liger none}; do
-                 python3 scripts/bench_train.py --model qwen3_30b_a3b_4l --points ${MOE_POINTS:-16384:none} --steps 4 \
+                 python3 scripts/bench/bench_train.py --model qwen3_30b_a3b_4l --points ${MOE_POINTS:-16384:none} --steps 4 \
                    --deepspeed ${DS:-zero3} deepspeed.master_weights=bf16 moe.dispatcher=alltoall model.kernels=$k ${MOE_EXTRA:-}; done
                python3 .bench/anchor-bench/moe_model_bench.py --seqs ${MOE_HF_SEQS:-16384} --layers 4 --liger \
                  | tee -a "$OUT/moe_train_hf_liger.jsonl" ;;
-    moe_train) python3 scripts/bench_train.py --model qwen3_30b_a3b_4l --points ${MOE_POINTS:-32768:full_recompute,131072:full_recompute} \
+    moe_train) python3 scripts/bench/bench_train.py --model qwen3_30b_a3b_4l --points ${MOE_POINTS:-32768:full_recompute,131072:full_recompute} \
                  --steps 3 deepspeed.master_weights=bf16 ${MOE_EXTRA-moe=expert_recompute} moe.dispatcher=alltoall ${EXTRA:-}
                python3 .bench/anchor-bench/moe_model_bench.py --seqs ${MOE_HF_SEQS:-32768,65536} --layers 4 | tee -a "$OUT/moe_train_hf.jsonl" ;;
-    mla_train) python3 scripts/bench_train.py --model ${MLA_MODEL:-glm4_moe_lite_4l} \
+    mla_train) python3 scripts/bench/bench_train.py --model ${MLA_MODEL:-glm4_moe_lite_4l} \
                  --points ${MLA_POINTS:-32768:full_recompute,131072:long_context} --steps 3 deepspeed.master_weights=bf16 \
                  moe.dispatcher=alltoall ${MLA_EXTRA:-}
-               PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 scripts/hf_moe_bench.py \
+               PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 scripts/bench/hf_moe_bench.py \
                  --model ${MLA_MODEL:-glm4_moe_lite_4l} --seqs ${MLA_HF_SEQS:-32768,131072} | tee -a "$OUT/mla_train_hf.jsonl" ;;
-    mla_liger) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 scripts/hf_moe_bench.py --liger \
+    hybrid_train) M=${HYB_MODEL:-qwen3_5_35b_a3b_4l}; F=${FLA_SITE:+$FLA_SITE:}
+                  PYTHONPATH=$F$PYTHONPATH python3 scripts/bench/bench_train.py --model $M --steps 3 \
+                    --points ${HYB_POINTS:-32768:full_recompute,131072:full_recompute} deepspeed.master_weights=bf16 \
+                    model.attn_backend=sdpa ${HYB_EXTRA-moe.dispatcher=alltoall} | grep RESULT | cut -c1-1500 \
+                    | tee -a "$OUT/hybrid_train.jsonl"
+                  S=${HYB_HF_SEQS:-32768,131072}
+                  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 scripts/bench/hf_moe_bench.py --model $M --seqs $S \
+                    | grep RESULT | tee -a "$OUT/hybrid_train.jsonl"
+                  if [ -n "${FLA_SITE:-}" ]; then
+                    PYTHONPATH=$FLA_SITE:$PYTHONPATH PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+                      python3 scripts/bench/hf_moe_bench.py --model $M --seqs ${S%%,*} --reps 1 2>&1 | grep -E "RESULT|Error" \
+                      | tail -5 | tee -a "$OUT/hybrid_train.jsonl"
+                  fi ;;
+    mla_liger) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 scripts/bench/hf_moe_bench.py --liger \
                  --model ${MLA_MODEL:-deepseek_v3_2l} --seqs ${MLA_HF_SEQS:-32768} | tee -a "$OUT/mla_train_hf_liger.jsonl" ;;
-    train_1m) python3 scripts/bench_train.py --points 1048576:long_context --steps 1 --timeout 580 ;;
-    train_1m_4l) python3 scripts/bench_train.py --points 1048576:long_context --steps 1 --timeout 580 \
+    train_1m) python3 scripts/bench/bench_train.py --points 1048576:long_context --steps 1 --timeout 580 ;;
+    train_1m_4l) python3 scripts/bench/bench_train.py --points 1048576:long_context --steps 1 --timeout 580 \
                    model.arch.num_hidden_layers=4 ;;
-    attn_features) python3 scripts/bench_attn_features.py --parts "${ATTN_PARTS:-ring,window}" --check --budget-s 15 ${ATTN_ARGS:-} \
+    attn_features) python3 scripts/bench/bench_attn_features.py --parts "${ATTN_PARTS:-ring,window}" --check --budget-s 15 ${ATTN_ARGS:-} \
                      --out "$OUT/attn_features.jsonl" ;;
-    pack_sft) python3 scripts/bench_packing.py ${PACK_ARGS:-} ;;
+    pack_sft) python3 scripts/bench/bench_packing.py ${PACK_ARGS:-} ;;
     passkey) for st in ${PK_STAGES:-256:1.5 1k:2.3 32k:4}; do
                name=llama1b_1gpu_passkey_${st%%:*}
                python3 -m torch.distributed.run --standalone --nproc_per_node=1 scripts/train.py experiment=$name \
@@ -254,11 +277,12 @@ for name, a in zip(('liger', 'control'), runs):
                  python3 -m pytest -q -rs -p no:cacheprovider tests/test_moe_gpt_oss.py -k grouped
                  python3 -m pytest -q -rs -p no:cacheprovider tests/test_zero0.py -k "triton or cuda or in_backward and not follows"; } 2>&1 \
                  | tee "$OUT/gpu_tests.txt" | tail -30 ;;
-    gpu_matrix) python3 scripts/gpu_matrix.py --out "$OUT/gpu_matrix.jsonl" ${MATRIX_ARGS:-} 2>&1 | grep -E '^\{|gpu_matrix' \
-                  | cut -c1-400 ;;
-    auto_memory) python3 scripts/bench_train.py --points ${AUTO_POINTS:-16384:auto,32768:auto,65536:auto,131072:auto} \
+    gpu_matrix) python3 scripts/bench/gpu_matrix.py --jobs ${MATRIX_JOBS:-8} --deadline-s ${MATRIX_DEADLINE_S:-520} \
+                    --resume --out outputs/gpu_matrix.jsonl ${MATRIX_ARGS:-} 2>&1 | grep -E '^\{|gpu_matrix' \
+                  | cut -c1-400; cp outputs/gpu_matrix.jsonl "$OUT/" ;;
+    auto_memory) python3 scripts/bench/bench_train.py --points ${AUTO_POINTS:-16384:auto,32768:auto,65536:auto,131072:auto} \
                    --steps 3 ${EXTRA:-} | grep RESULT | cut -c1-700
-                 python3 scripts/bench_train.py --model qwen3_30b_a3b_4l --points ${AUTO_MOE_POINTS:-16384:auto,32768:auto} \
+                 python3 scripts/bench/bench_train.py --model qwen3_30b_a3b_4l --points ${AUTO_MOE_POINTS:-16384:auto,32768:auto} \
                    --steps 3 moe.dispatcher=alltoall ${EXTRA:-} | grep RESULT | cut -c1-700
                  ;;
     *) echo "unknown part $part" ;;

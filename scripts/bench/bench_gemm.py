@@ -3,7 +3,7 @@
 a model's layer at S tokens, forward (x W^T), input gradient (g W) and weight gradient (g^T x), each as its own
 call and with the projections that share an input fused into one weight (q, k, v; gate, up).
 
-    python3 scripts/bench_gemm.py [--model llama3_2_1b] [--tokens 16384,32768] [--reps 20]
+    python3 scripts/bench/bench_gemm.py [--model llama3_2_1b] [--tokens 16384,32768] [--reps 20]
 
 Why: docs/benchmarks.md AZ bounds a step's time by attention plus 6 x parameters x tokens at an effective GEMM
 rate. The step's fitted rate (576 TFLOP/s, small ops included) is below what these shapes reach alone; this says by
@@ -16,7 +16,7 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 
 import torch  # noqa: E402
 import yaml  # noqa: E402
@@ -26,7 +26,8 @@ from bench_attention import timed  # noqa: E402
 
 def layer_linears(model: str) -> dict:
     """{name: (out_features, in_features)} for one decoder layer and the head, from the model's yaml."""
-    spec = yaml.safe_load((Path(__file__).resolve().parent.parent / "hydra_conf/model" / f"{model}.yaml").read_text())
+    root = Path(__file__).resolve().parent.parent.parent
+    spec = yaml.safe_load((root / "hydra_conf/model" / f"{model}.yaml").read_text())
     a = spec["arch"]
     h, i = a["hidden_size"], a["intermediate_size"]
     d = a.get("head_dim", h // a["num_attention_heads"])

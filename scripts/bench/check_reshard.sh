@@ -5,12 +5,12 @@
 # runs ZeRO-2 on one rank, and deepspeed.offload_param=true, which keeps it on ZeRO-3. The tiny model in fp32,
 # so the tolerance is fp32's (rel 1e-5).
 #
-#   NGPU=2 bash scripts/check_reshard.sh        # results under $OUT
+#   NGPU=2 bash scripts/bench/check_reshard.sh        # results under $OUT
 set -eu
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 export OUT=${OUT:-$PWD/outputs/check_reshard}
 mkdir -p "$OUT"
-source scripts/bench_site.sh
+source scripts/bench/bench_site.sh
 NGPU=${NGPU:-$(nvidia-smi -L | wc -l)}
 COMMON="model=tiny data=synthetic data.seq_len=4096 data.num_samples=64 precision=fp32 parallelism.cp=$NGPU
   trainer.max_steps=4 trainer.global_batch_size=2 trainer.warmup_steps=1 trainer.export_hf=false

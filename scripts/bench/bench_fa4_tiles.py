@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """FlashAttention-4's Hopper tile sizes at the Llama-3.2-1B attention shape: is its choice the fastest? (bench only)
 
-    python3 scripts/bench_fa4_tiles.py bwd --seqs 16384,65536 --reps 3     # backward tile variants
-    python3 scripts/bench_fa4_tiles.py fwd --seqs 16384,65536 --reps 3     # forward tile variants
+    python3 scripts/bench/bench_fa4_tiles.py bwd --seqs 16384,65536 --reps 3     # backward tile variants
+    python3 scripts/bench/bench_fa4_tiles.py fwd --seqs 16384,65536 --reps 3     # forward tile variants
 
 Shape: q [1, S, 32, 64], k, v [1, S, 8, 64], bf16, causal; one forward + backward per rep, CUDA-event timed, the
 median of --reps after one warm-up. Each variant replaces FA4's sm90 tile choice (flash_attn.cute.interface's

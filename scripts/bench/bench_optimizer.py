@@ -2,7 +2,7 @@
 """The optimizer phase alone: deepspeed=zero0's ClippingAdamW (engine/ds/clipping_adamw.py) on a model's real
 parameter shapes, its parts timed apart, each against the GPU's streaming bandwidth measured in the same process.
 
-    python3 scripts/bench_optimizer.py [--model qwen3_30b_a3b_4l] [--dtype bf16] [--reps 10]
+    python3 scripts/bench/bench_optimizer.py [--model qwen3_30b_a3b_4l] [--dtype bf16] [--reps 10]
 
 Issue 22 asks for the 4-layer Qwen3-30B-A3B shape's optimizer phase (3.1B parameters, bf16 master weights) in at
 most 20 ms. Parts: `copy` (the memory wall), `grad_norm` (the clip's global norm), `fused_adamw` (torch's),
@@ -19,7 +19,7 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 
 import torch  # noqa: E402
 import yaml  # noqa: E402
@@ -30,7 +30,8 @@ from engine.ds.clipping_adamw import ClippingAdamW, squared_norm  # noqa: E402
 
 def shapes(model: str) -> list:
     import transformers
-    spec = yaml.safe_load((Path(__file__).resolve().parent.parent / "hydra_conf/model" / f"{model}.yaml").read_text())
+    root = Path(__file__).resolve().parent.parent.parent
+    spec = yaml.safe_load((root / "hydra_conf/model" / f"{model}.yaml").read_text())
     config = transformers.AutoConfig.for_model(spec["family"], **spec["arch"])
     with torch.device("meta"):
         hf = transformers.AutoModelForCausalLM.from_config(config)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where one profiled step's time goes, phase by phase, from the Chrome trace that logging.profile_step writes.
 
-    python3 scripts/trace_phases.py outputs/run/profile_step4_rank0.json [--top 15]
+    python3 scripts/bench/trace_phases.py outputs/run/profile_step4_rank0.json [--top 15]
 
 torch.profiler's op table sums over the whole step; it cannot say which phase an op ran in, nor whether the
 GPU sat idle waiting for the host. For each phase.* range (engine/observe/profile.py marks forward, backward and

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Overhead of ulysses_attention with a CP group of size 1 against calling the same backend directly.
 
-    python3 scripts/bench_attention.py --seqs 32768,131072            # one GPU, bf16, Hq32/Hkv8, D128
-    python3 scripts/bench_attention.py --device cpu --seqs 512 --reps 2   # smoke test on CPU
+    python3 scripts/bench/bench_attention.py --seqs 32768,131072            # one GPU, bf16, Hq32/Hkv8, D128
+    python3 scripts/bench/bench_attention.py --device cpu --seqs 512 --reps 2   # smoke test on CPU
 
 Both sides run fwd+bwd on the same tensors, interleaved (A B A B ...) so clock and thermal drift hit
 both alike; the reported time is the median. Prints one JSON line per (backend, S) prefixed RESULT.
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 from ds_ulysses_ext import init_topology, ulysses_attention  # noqa: E402
 from ds_ulysses_ext.attention.backends import local_attention  # noqa: E402
 

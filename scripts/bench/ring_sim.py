@@ -1,6 +1,6 @@
 """Ring attention simulated on one GPU (or CPU): ring.py's own forward and backward of one ring rank, with a stand-in
-ring that hands over the other ranks' K|V shares instead of communicating. scripts/bench_attn_features.py times it;
-tests/test_gpu_paths.py and --check use `check_ring`: every simulated rank together must give exact attention.
+ring that hands over the other ranks' K|V shares instead of communicating. scripts/bench/bench_attn_features.py times
+it; tests/test_gpu_paths.py and --check use `check_ring`: every simulated rank together must give exact attention.
 
 Shapes: q, k, v, dout [B, h, S, D] (ring.py's layout); a rank's share [B, h, L, D] with L = S / R; a packed K|V share
 [B, hkv, L, 2D].

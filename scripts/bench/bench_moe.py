@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """MoE block benchmark: our MoEBlock (ds_ulysses_ext/moe), forward + backward, one GPU, ep=1.
 
-    python3 scripts/bench_moe.py --tokens 16384,65536 --modes none,experts,experts_offload
+    python3 scripts/bench/bench_moe.py --tokens 16384,65536 --modes none,experts,experts_offload
 
 Measured the way the anchor measures HF's Qwen3MoeSparseMoeBlock (../anchor-bench/moe_bench.py, run in the same
-session by scripts/bench_gpu.sh moe_block): Qwen3-30B-A3B shape by default (hidden 2048, expert intermediate 768,
+session by scripts/bench/bench_gpu.sh moe_block): Qwen3-30B-A3B shape by default (hidden 2048, expert intermediate 768,
 128 experts, top-8), bf16, weights ~N(0, 0.02), x [1, T, hidden] with requires_grad, median of --reps after
 --warmup, expert-GEMM TFLOP/s = 18 * hidden * intermediate * T * top_k / step time (router not counted).
 `--modes`: moe.recompute none | act | experts (one expert at a time; experts_g4: four), `_offload` adds
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout, not an install
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))  # run from a checkout, not an install
 from ds_ulysses_ext.moe import MoEBlock, MoESpec  # noqa: E402
 
 
