@@ -25,7 +25,7 @@ class MoEConfig:
     offload_inputs: bool = False  # with recompute=experts: the dispatched inputs wait for backward in pinned host memory
 
 
-# families whose MoE blocks ds_ulysses_ext.moe replaces (and so can split over ep); other MoE families run HF's
+# families whose MoE blocks ds_ulysses_ext.moe replaces (and so can split over ep): every MoE family of the registry
 # (gpt_oss: HF's GptOssMLP becomes our block with GPT-OSS's router, biases and clamped SwiGLU; deepseek_v3,
 # glm4_moe_lite, glm4_moe: HF's DeepseekV3MoE-style block with its biased, group-limited sigmoid router; mistral4: the
 # same block with a softmax router; cohere2_moe: top-k then softmax / sigmoid, averaged shared expert; qwen3_vl_moe:
