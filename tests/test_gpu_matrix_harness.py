@@ -54,3 +54,23 @@ def test_the_verdict_fails_a_gradient_twice_as_far_as_eager():
     verdict = gpu_matrix.judge(1.0, far, (1.0, ref), (1.0, eager))
     assert not verdict["ok"] and verdict["worst_param"] == "b" and 2.9 < verdict["ratio"] < 3.1
     assert not gpu_matrix.judge(1.0, {"a": close["a"]}, (1.0, ref), (1.0, eager))["ok"]  # a gradient missing
+
+
+def test_a_killed_process_is_named_with_the_command_that_runs_its_families_alone(tmp_path, monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    class Killed:  # a child the host's memory killer took (2026-12-04: llama_d128's, 8 processes side by side)
+        def __init__(self, cmd, env):
+            self.cmd = cmd
+
+        def wait(self):
+            return -9 if "llama_d64" in self.cmd[self.cmd.index("--families") + 1] else 0
+
+    monkeypatch.setattr(gpu_matrix.subprocess, "Popen", Killed)
+    monkeypatch.setattr(sys, "argv", ["gpu_matrix.py", "--quick", "--jobs", "2"])
+    args = SimpleNamespace(families="llama_d64,deepseek_v3_mla", quick=True, fa4=False, fla=False, only="",
+                           resume=False, skip_from="", out=str(tmp_path / "m.jsonl"), jobs=2)
+    assert gpu_matrix.fan_out(args) == 1
+    out = capsys.readouterr().out
+    assert "the process of llama_d64 was killed by signal 9" in out
+    assert "--families llama_d64 --jobs 1 --resume" in out and "deepseek_v3_mla was killed" not in out

@@ -342,15 +342,19 @@ def fan_out(args) -> int:
         env = dict(os.environ, MASTER_PORT=str(int(os.environ.get("MASTER_PORT", "29600")) + 1 + i))
         procs.append((part, subprocess.Popen([sys.executable, __file__, *keep, "--families", ",".join(group),
                                               "--out", str(part), "--skip-from", args.skip_from], env=env)))
-    rc = 0
+    codes = []
     with out.open("a") as f:
         for part, proc in procs:
-            rc |= proc.wait()
+            codes.append(proc.wait())
             if part.exists():
                 f.write(part.read_text())
                 part.unlink()
-    print(f"gpu_matrix: {len(groups)} processes, exit {rc}; rows appended to {out}", flush=True)
-    return 1 if rc else 0
+    print(f"gpu_matrix: {len(groups)} processes, exit codes {codes}; rows appended to {out}", flush=True)
+    for group, code in zip(groups, codes):
+        if code < 0:  # a signal: on 2026-12-04, SIGKILL of the process holding the largest model, 8 on 128 GiB of host
+            print(f"gpu_matrix: the process of {','.join(group)} was killed by signal {-code} (host memory, most "
+                  f"likely); its cells left run alone: --families {','.join(group)} --jobs 1 --resume", flush=True)
+    return 1 if any(codes) else 0
 
 
 def main() -> int:
