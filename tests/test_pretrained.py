@@ -93,3 +93,20 @@ def test_a_checkpoint_of_another_family_is_refused_before_the_build(tmp_path):
                           "data=synthetic", "parallelism.cp=2"])
     with pytest.raises(ConfigError, match=r"holds a 'llama' checkpoint .* but model.family=qwen3; set model.family=llama"):
         validate(cfg, world_size=2)
+
+
+def test_a_checkpoint_missing_weights_is_refused_not_started_at_random(tmp_path):
+    """HF only logs a parameter it found no weights for and leaves it random: the load must stop instead."""
+    from safetensors.torch import load_file, save_file
+    from engine.ds.build import build_hf_model
+    model_dir = tmp_path / "saved_model"
+    tiny_model("llama", vocab_size=512).save_pretrained(model_dir)
+    cfg = compose_config(["model=tiny", "model.source=pretrained", f"model.path={model_dir}", "model.family=llama",
+                          "data=synthetic", "parallelism.cp=1", "device=cpu", "precision=fp32"])
+    assert build_hf_model(cfg, {"zero_optimization": {"stage": 0}}) is not None  # the whole save loads
+    weights = load_file(model_dir / "model.safetensors")
+    del weights["model.layers.1.mlp.down_proj.weight"]
+    save_file(weights, model_dir / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(RuntimeError, match=r"1 parameters of the model have no weights in the checkpoint \(e\.g\. "
+                                           r"model\.layers\.1\.mlp\.down_proj\.weight\)"):
+        build_hf_model(cfg, {"zero_optimization": {"stage": 0}})

@@ -42,6 +42,17 @@ def model_dtype(cfg: TrainConfig) -> torch.dtype:
     return torch.bfloat16 if cfg.precision == "bf16" else torch.float32
 
 
+def refuse_missing_weights(path, missing) -> None:
+    """HF starts a parameter the checkpoint lacks from random values and only logs it: a checkpoint of another layout
+    (other key prefixes, a pruned or partial save) would then train a partly random model that looks loaded."""
+    if missing:
+        names = sorted(missing)
+        raise RuntimeError(
+            f"model.path={path}: {len(names)} parameters of the model have no weights in the checkpoint (e.g. "
+            f"{', '.join(names[:3])}), so they would start from random values; check that the folder is a complete "
+            "save of this model family (model.family), or use model.source=config for a random init")
+
+
 def build_hf_model(cfg: TrainConfig, ds_dict: dict, device: torch.device = torch.device("cpu")):
     """Random init outside ZeRO-3 builds on `device`; a pretrained model comes back on the CPU (build() moves
     it), a ZeRO-3 one partitioned by zero.Init."""
@@ -60,6 +71,7 @@ def build_hf_model(cfg: TrainConfig, ds_dict: dict, device: torch.device = torch
     if m.source == "pretrained":
         model, info = AutoModelForCausalLM.from_pretrained(m.path, dtype=model_dtype(cfg), output_loading_info=True,
                                                            attn_implementation=hf_attn(m))
+        refuse_missing_weights(m.path, info["missing_keys"])
         # what the stock class dropped (our MoE routers' expert_bias): build() puts it back once our blocks are in
         model._unread_keys = set(info["unexpected_keys"])
     else:
