@@ -110,3 +110,29 @@ def test_a_checkpoint_missing_weights_is_refused_not_started_at_random(tmp_path)
     with pytest.raises(RuntimeError, match=r"1 parameters of the model have no weights in the checkpoint \(e\.g\. "
                                            r"model\.layers\.1\.mlp\.down_proj\.weight\)"):
         build_hf_model(cfg, {"zero_optimization": {"stage": 0}})
+
+
+def test_a_qwen3_5_checkpoint_with_its_vision_tower_loads_its_text_model_whole(tmp_path):
+    """Qwen3.5 / 3.6 checkpoints are saved as the vision-language model (model_type qwen3_5, the decoder under
+    text_config): model.family=qwen3_5_text takes its language model, every weight from the file."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+    from engine.ds.build import build_hf_model
+    text = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=8,
+                num_key_value_heads=2, head_dim=8, linear_num_key_heads=4, linear_num_value_heads=8,
+                linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                layer_types=["linear_attention", "full_attention"] * 2)
+    vision = dict(depth=1, hidden_size=32, out_hidden_size=64, num_heads=2, intermediate_size=64)
+    torch.manual_seed(0)
+    saved = AutoModelForImageTextToText.from_config(AutoConfig.for_model("qwen3_5", text_config=text,
+                                                                         vision_config=vision))
+    saved.save_pretrained(tmp_path)
+    cfg = compose_config(["model=tiny_qwen3_5", "model.source=pretrained", f"model.path={tmp_path}", "data=synthetic",
+                          "parallelism.cp=1", "device=cpu", "precision=fp32"])
+    validate(cfg, world_size=1)  # the family is read off text_config
+    loaded = build_hf_model(cfg, {"zero_optimization": {"stage": 0}})
+    mine = dict(loaded.named_parameters())
+    theirs = dict(saved.model.language_model.named_parameters())
+    assert len(mine) == len(theirs) + 1  # + lm_head
+    for name, p in theirs.items():
+        assert torch.equal(mine[f"model.{name}"], p), name
+    assert torch.equal(mine["lm_head.weight"], saved.lm_head.weight)
