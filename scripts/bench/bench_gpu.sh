@@ -106,7 +106,7 @@
 #                moe.dispatcher=alltoall: set it empty for a dense model), then stock HF on the same preset (scripts/bench/hf_moe_bench.py: SDPA, HF checkpointing) at
 #                $HYB_HF_SEQS (default 32768,131072) with its torch delta rule, and, where $FLA_SITE holds fla-core, HF
 #                with fla's kernels at the first of them (ours sees fla there too: model.linear_attn_kernel=auto);
-#                $HYB_LIGER=1 adds HF + Liger (Liger 0.8.5 patches qwen3_next, e.g. HYB_MODEL=qwen3_next_80b_a3b_4l);
+#                $HYB_LIGER=1 adds HF + Liger (Liger 0.8.5 patches qwen3_5, qwen3_5_moe and qwen3_next);
 #                $OUT/hybrid_train.jsonl
 #   gpu_matrix   the GPU exactness matrix (scripts/bench/gpu_matrix.py): every family at a small shape with its real head dims,
 #                each model.kernels, every preset memory=auto can choose, zero0 / zero3, the optimizer step in backward,
@@ -249,7 +249,7 @@ for name, a in zip(('liger', 'control'), runs):
                   S=${HYB_HF_SEQS:-32768,131072}
                   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 scripts/bench/hf_moe_bench.py --model $M --seqs $S \
                     | grep RESULT | tee -a "$OUT/hybrid_train.jsonl"
-                  if [ -n "${HYB_LIGER:-}" ]; then  # HF + Liger, where Liger patches the family (qwen3_next)
+                  if [ -n "${HYB_LIGER:-}" ]; then  # HF + Liger: Liger's patch function for the family
                     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 scripts/bench/hf_moe_bench.py --model $M \
                       --seqs $S --liger | grep RESULT | tee -a "$OUT/hybrid_train.jsonl"
                   fi
