@@ -209,7 +209,10 @@ def _model_check(rank, world, family, ring, overrides):
 
 
 @pytest.mark.parametrize("family,world,ring", [("llama", 2, 2), ("llama", 4, 4), ("llama", 4, 2),
-                                               ("qwen3", 4, 2)])  # (4, 2): hybrid 2 x 2
+                                               ("qwen3", 4, 2),  # (4, 2): hybrid 2 x 2
+                                               # families the ring is open to with no ring test of their own before
+                                               # (qwen2's q/k/v biases; qwen3_moe's experts, HF's own block here)
+                                               ("qwen2", 2, 2), ("qwen3_moe", 4, 2)])
 def test_ring_model_matches_unsplit(family, world, ring):
     run_ranks(_model_check, world, family, ring, {})
 
