@@ -43,6 +43,7 @@ LAYOUTS = {  # name: (world, overrides)
     "w4_ep4_cp4": (4, ["parallelism.cp=4", "parallelism.ep=4"]),
     "w4_ep1_cp2_dp2_ga2": (4, ["parallelism.cp=2", "trainer.micro_batch_size=1"]),
     "w2_ep1_cp2_zero2": (2, ["parallelism.cp=2", "deepspeed=zero2"]),
+    "w2_ep2_cp2_ring2": (2, ["parallelism.cp=2", "parallelism.ep=2", "parallelism.ring=2"]),  # the zigzag ring
 }
 
 
@@ -53,8 +54,9 @@ def test_moe_layouts_match_single_process(tmp_path, model):
     assert ref[-1]["loss"] < ref[0]["loss"], "the reference run must train"
     assert all(r["moe_aux_loss"] > 0 and r["moe_imbalance"] >= 1.0 for r in ref)
     for name, (world, extra) in LAYOUTS.items():
-        if model == "tiny_latent_moe" and name not in ("w2_ep2_cp2", "w4_ep4_cp2_dp2", "w4_ep1_cp2_dp2_ga2"):
-            continue  # LatentMoE's path differs only inside the block: three layouts cover its EP, CP and GA
+        if model == "tiny_latent_moe" and name not in ("w2_ep2_cp2", "w4_ep4_cp2_dp2", "w4_ep1_cp2_dp2_ga2",
+                                                       "w2_ep2_cp2_ring2"):
+            continue  # LatentMoE's path differs only inside the block: four layouts cover its EP, CP, GA and ring
         assert_same(train(tmp_path, name, world, [f"model={model}"] + extra + lr), ref, f"{model} {name}")
 
 
