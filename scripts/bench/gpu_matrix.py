@@ -132,10 +132,7 @@ def cells(families, quick: bool, fa4: bool = False, fla: bool = False):
         for fam in [f for f in FA4_FAMILIES if f in families]:
             out.append((fam, "attn=fa4", ["model.attn_backend=fa4"], False))
             out.append((fam, "attn=fa4 packed", ["model.attn_backend=fa4"], True))
-    memory_families = [f for f in ("llama_d64", "qwen3_moe", "deepseek_v3_mla", "gpt_oss", "llama_d128", "qwen3_d128",
-                                   "glm4_moe_lite_mla", "glm4_moe", "latent_moe", "mistral4_mla", "cohere2_moe",
-                                   "qwen3_vl_text", *HYBRID) if f in families]
-    for fam in memory_families:
+    for fam in families:  # every family takes every preset memory=auto can choose
         for m in (MEMORY[:3] if quick else MEMORY):
             out.append((fam, f"memory={m}", [f"memory={m}"], False))
             if m in WHOLE_LAYERS:  # their 4 layers recomputed whole exceed the matrix's 2: the same policy at 1
@@ -322,26 +319,15 @@ def fan_out(args) -> int:
         min(groups, key=lambda g: sum(size[x] for x in g)).append(f)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    argv = [a for a in sys.argv[1:]]
-    keep = []
-    skip = False
-    for a in argv:  # the parent's arguments less --jobs / --families / --out, which each child gets its own of
-        if skip:
-            skip = False
-            continue
-        if a in ("--jobs", "--families", "--out", "--resume"):
-            skip = a != "--resume"
-            continue
-        if a.split("=", 1)[0] in ("--jobs", "--families", "--out"):
-            continue
-        keep.append(a)
     procs = []
     for i, group in enumerate(groups):
         part = out.with_name(f"{out.stem}.part{i}{out.suffix}")
         part.unlink(missing_ok=True)
         env = dict(os.environ, MASTER_PORT=str(int(os.environ.get("MASTER_PORT", "29600")) + 1 + i))
-        procs.append((part, subprocess.Popen([sys.executable, __file__, *keep, "--families", ",".join(group),
-                                              "--out", str(part), "--skip-from", args.skip_from], env=env)))
+        # the parent's own arguments, then each child's: argparse keeps an option's last value
+        child = [*sys.argv[1:], "--jobs", "1", "--families", ",".join(group), "--out", str(part),
+                 "--skip-from", args.skip_from]
+        procs.append((part, subprocess.Popen([sys.executable, __file__, *child], env=env)))
     codes = []
     with out.open("a") as f:
         for part, proc in procs:
