@@ -66,10 +66,15 @@ def run_ours(S, memory, args, out_root):
 
 
 def run_anchor(S, variant, args):
-    """`variant`: an anchor-bench variant (hf, alst), `+liger` for the same with Liger-Kernel patched in."""
+    """`variant`: an anchor-bench variant (hf, alst), then `+`-joined kits: `liger` (Liger-Kernel patched in),
+    `fa4` (FlashAttention-4 through HF's attention interface), `nockpt` (no gradient checkpointing)."""
     base, *kits = variant.split("+")
+    flags = {"liger": ["--liger"], "fa4": ["--attn", "fa4"], "nockpt": ["--no-ckpt"]}
+    unknown = [k for k in kits if k not in flags]
+    if unknown:
+        raise SystemExit(f"anchor {variant!r}: unknown kit(s) {unknown}; known: {sorted(flags)}")
     cmd = [sys.executable, str(Path(args.anchor_dir) / "model_bench.py"), "--seq", str(S), "--variant", base,
-           "--warmup", "1", "--reps", str(max(1, args.steps - 1))] + [f"--{kit}" for kit in kits]
+           "--warmup", "1", "--reps", str(max(1, args.steps - 1))] + [f for k in kits for f in flags[k]]
     env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     t0 = time.time()
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
@@ -92,7 +97,7 @@ def main():
     ap.add_argument("--precision", default="bf16")
     ap.add_argument("--deepspeed", default="zero3")
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--anchors", default="", help="comma list of anchor-bench variants: hf, alst, hf+liger, alst+liger")
+    ap.add_argument("--anchors", default="", help="comma list of anchor-bench variants (hf, alst) with +kits: hf+liger, alst+liger+fa4, hf+liger+fa4+nockpt")
     ap.add_argument("--anchor-dir", default=str(ROOT / ".bench" / "anchor-bench"))
     ap.add_argument("--timeout", type=float, default=560)
     ap.add_argument("--order", default="ours-first", choices=["ours-first", "anchors-first"])

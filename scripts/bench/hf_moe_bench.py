@@ -89,7 +89,12 @@ def apply_liger(family: str):
     fn = MODEL_TYPE_TO_APPLY_LIGER_FN.get(family)
     if fn is None:
         raise SystemExit(f"--liger: Liger-Kernel has no patch function for model_type {family!r}")
-    fn(**({"rope": True} if "rope" in inspect.signature(fn).parameters else {}))
+    try:
+        fn(**({"rope": True} if "rope" in inspect.signature(fn).parameters else {}))
+    except NotImplementedError as e:  # Qwen3.5's patch raises for rope=True (its partial RoPE): the rest applies
+        print(f"--liger: {fn.__name__}(rope=True) refused ({e}); applying it with rope=False", flush=True)
+        fn(rope=False)
+        return fn.__name__ + "(rope=False)"
     return fn.__name__
 
 
