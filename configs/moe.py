@@ -3,6 +3,7 @@
 from dataclasses import dataclass
 
 from configs.errors import one_of, require
+from configs.precision import bf16_weights
 
 MOE_DISPATCHERS = ("auto", "alltoall", "deepep")
 MOE_BALANCES = ("aux", "bias", "none")
@@ -98,7 +99,7 @@ def _check_low_latency(cfg) -> None:
     dim = int(arch.get("latent_size", 0) or 0) or int(arch.get("hidden_size", 0) or 0)
     experts = next((int(arch[k]) for k in ("num_experts", "num_local_experts") if arch.get(k)), 0)
     top_k = int(arch.get("num_experts_per_tok", 1) or 1)
-    require(cfg.precision == "bf16", f"moe.dispatcher=deepep at ep=1 (DeepEP's low-latency mode) moves bf16 tokens "
+    require(bf16_weights(cfg.precision), f"moe.dispatcher=deepep at ep=1 (DeepEP's low-latency mode) moves bf16 tokens "
             f"only; set precision=bf16 or use moe.dispatcher=alltoall (got precision={cfg.precision})")
     tokens = deepep_tokens_per_rank(cfg)
     try:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from configs.errors import ConfigError, divisors, fmt, require
 from configs.model import check_experts, decoder_arch
+from configs.precision import bf16_weights
 from ds_ulysses_ext.attention.layout import valid_cp_values
 from ds_ulysses_ext.attention.zigzag import auto_ring_size, valid_ring_sizes
 
@@ -67,7 +68,7 @@ def check_deepspeed(cfg: "TrainConfig", world_size: int) -> None:
     )
     # a bf16 master copy of fp32 weights would only round every update the fp32 model receives
     require(
-        cfg.deepspeed.master_weights == "fp32" or cfg.precision == "bf16",
+        cfg.deepspeed.master_weights == "fp32" or bf16_weights(cfg.precision),
         f"deepspeed.master_weights={cfg.deepspeed.master_weights} needs precision=bf16 (got precision="
         f"{cfg.precision}: the master weights cannot be narrower than the model's); set precision=bf16 or "
         "deepspeed.master_weights=fp32",
@@ -87,7 +88,7 @@ def check_zero0(cfg: "TrainConfig", world_size: int) -> None:
         "deepspeed=zero3_offload (parameters)",
     )
     # the optimizer steps the parameters themselves: the master weights are the model's own dtype
-    model_dtype = "bf16" if cfg.precision == "bf16" else "fp32"
+    model_dtype = "bf16" if bf16_weights(cfg.precision) else "fp32"
     require(
         cfg.deepspeed.master_weights == model_dtype,
         f"deepspeed=zero0 steps the optimizer on the parameters themselves, so its master weights are the model's "

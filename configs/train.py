@@ -8,10 +8,10 @@ from configs.memory import MemoryConfig
 from configs.model import ModelConfig
 from configs.moe import MoEConfig
 from configs.parallel import DeepSpeedConfig, ParallelismConfig
+from configs.precision import Fp8Config
 from configs.run import RunConfig
 from configs.trainer import TrainerConfig
 
-PRECISIONS = ("fp32", "bf16")
 DEVICES = ("auto", "cuda", "cpu")
 
 
@@ -26,5 +26,8 @@ class TrainConfig:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
-    precision: str = "bf16"  # fp32 | bf16 (DeepSpeed's bf16 mode); fp16 is refused (no loss scaling here)
+    # fp32 | bf16 (DeepSpeed's bf16 mode) | fp8 (bf16, with the decoder's linears in FP8: fp8.*); fp16 is refused
+    # (no loss scaling here)
+    precision: str = "bf16"
+    fp8: Fp8Config = field(default_factory=Fp8Config)
     device: str = "auto"  # auto = cuda when available, else cpu (gloo)

@@ -22,7 +22,8 @@ from configs.model import (ATTN_BACKENDS, MODEL_SOURCES, SUPPORTED_FAMILIES, che
                            shape_arch)
 from configs.moe import check_moe
 from configs.parallel import MASTER_WEIGHTS, check_deepspeed, check_parallelism, resolve_ring
-from configs.train import DEVICES, PRECISIONS, TrainConfig
+from configs.precision import PRECISIONS, check_fp8
+from configs.train import DEVICES, TrainConfig
 from configs.trainer import check_batch, check_eval, check_optimizer_in_backward, check_trainer
 from ds_ulysses_ext.kernels import KERNEL_MODES, LOSS_HEADS
 
@@ -52,6 +53,7 @@ def validate(cfg: TrainConfig, world_size: int) -> Plan:
     """Refuse any config that cannot run exactly on `world_size` ranks; return the derived Plan."""
     _check_choices(cfg)
     check_model(cfg.model)
+    check_fp8(cfg)
     # from here on the shape rules read the checkpoint's own config.json where there is one (configs/model.py
     # shape_arch); a copy: the config itself is never changed
     cfg = replace(cfg, model=replace(cfg.model, arch=dict(shape_arch(cfg.model))))

@@ -87,7 +87,7 @@ REFUSALS = [
         r"trainer\.global_batch_size=2 .*use trainer\.global_batch_size=4 ",
     ),
     ("fp16", ["precision=fp16"], 2, r"precision=fp16 is not supported .*use precision=bf16 .*precision=fp32"),
-    ("precision", ["precision=fp8"], 2, r"precision=fp8 is not one of \{fp32, bf16\}; set precision"),
+    ("precision", ["precision=fp4"], 2, r"precision=fp4 is not one of \{fp32, bf16, fp8\}; set precision"),
     ("device", ["device=tpu"], 2, r"device=tpu is not one of \{auto, cuda, cpu\}; set device"),
     ("zero0", ["deepspeed.zero_stage=0"], 2, r"deepspeed=zero0 runs on one rank only \(got a world of 2\).*use deepspeed=zero2 or "),
     ("zero1", ["deepspeed.zero_stage=1"], 2, r"deepspeed\.zero_stage=1 is not supported.*use deepspeed=zero2 or "),

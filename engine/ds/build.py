@@ -12,9 +12,11 @@ import torch
 
 from configs import Plan, TrainConfig
 from configs.moe import deepep_tokens_per_rank
+from configs.precision import bf16_weights
 from ds_ulysses_ext import CPCausalLM, Topology, enable_context_parallel
 from ds_ulysses_ext.linear_attention import set_linear_attn_kernel
 from ds_ulysses_ext.kernels import apply_fused_kernels
+from ds_ulysses_ext.kernels.fp8 import apply_fp8, check_fp8_device
 from ds_ulysses_ext.memory import ProbeResult, apply_memory_policies
 from ds_ulysses_ext.moe import moe_blocks
 from ds_ulysses_ext.moe.parallel import MoESettings, enable_expert_parallel, expert_parameters
@@ -39,7 +41,7 @@ _HF_DS_CONFIG = []  # transformers reads the live HfDeepSpeedConfig through a we
 
 
 def model_dtype(cfg: TrainConfig) -> torch.dtype:
-    return torch.bfloat16 if cfg.precision == "bf16" else torch.float32
+    return torch.bfloat16 if bf16_weights(cfg.precision) else torch.float32
 
 
 def refuse_missing_weights(path, missing) -> None:
@@ -118,6 +120,8 @@ def build(cfg: TrainConfig, plan: Plan, topo: Topology, device: torch.device, lo
     """Returns (engine, hf_model, loss_scale)."""
     import deepspeed
     ds_dict = to_deepspeed_dict(cfg, plan, load_universal)
+    if cfg.precision == "fp8":
+        check_fp8_device(device, cfg.fp8.emulate_on_cpu)
     hf = build_hf_model(cfg, ds_dict, device)
     enable_context_parallel(hf, topo, backend=cfg.model.attn_backend)
     set_linear_attn_kernel(hf, cfg.model.linear_attn_kernel)  # auto on a model without linear layers: a no-op
@@ -126,6 +130,11 @@ def build(cfg: TrainConfig, plan: Plan, topo: Topology, device: torch.device, lo
         enable_expert_parallel(hf, topo, moe_settings(cfg))
         if topo.ep_size > 1:
             mark_expert_parallel(expert_parameters(hf), topo)  # before deepspeed.initialize partitions them
+    fp8 = None
+    if cfg.precision == "fp8":  # before the fused kernels: their projection groups take plain nn.Linear only
+        compile_casts = cfg.fp8.compile == "true" or (cfg.fp8.compile == "auto" and device.type == "cuda")
+        fp8 = apply_fp8(hf, cfg.fp8.recipe, cfg.fp8.linears, compile_casts)
+        log.info("%s", fp8)
     # before the memory policies: they wrap these forwards (a tiled MLP runs the fused product per tile)
     kernels = apply_fused_kernels(hf, cfg.model.kernels, device, loss_head=cfg.model.loss_head,
                                   projections=cfg.model.projection_groups)
@@ -161,6 +170,7 @@ def build(cfg: TrainConfig, plan: Plan, topo: Topology, device: torch.device, lo
         log.info("master weights share the parameters' storage (%s): no second copy", cfg.deepspeed.master_weights)
     log.info("gradient reduction: ZeRO-%d, per-rank loss share scaled by %g", engine.zero_optimization_stage(), scale)
     engine.memory_policies = policies
+    engine.fp8_report = fp8
     return engine, hf, scale
 
 

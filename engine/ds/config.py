@@ -6,6 +6,7 @@ that engine/ds/grad_reduction.py can state the exact scale, and the engine check
 from __future__ import annotations
 
 from configs import Plan, TrainConfig
+from configs.precision import bf16_weights
 
 
 def effective_zero_stage(cfg: TrainConfig, world_size: int) -> int:
@@ -99,7 +100,7 @@ def bf16_section(cfg: TrainConfig) -> dict:
     # DeepSpeed's per-tensor bf16 overflow scan runs only where trainer.on_nonfinite=skip asks for it (its ZeRO-2
     # bf16 path skips no step without it). Under abort the loop stops on the global grad norm, which is already
     # non-finite whenever any gradient element is
-    section = {"enabled": cfg.precision == "bf16", "check_grad_overflow": cfg.trainer.on_nonfinite == "skip"}
+    section = {"enabled": bf16_weights(cfg.precision), "check_grad_overflow": cfg.trainer.on_nonfinite == "skip"}
     if cfg.deepspeed.master_weights == "bf16":
         # both keys: DeepSpeed 0.19.8 allows bf16 master weights beside fp32 moments only with ZeRO-Offload's
         # CPU Adam. Offload needs nothing more: DeepSpeed builds that CPU Adam from our "optimizer" section and,

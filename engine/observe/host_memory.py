@@ -20,6 +20,7 @@ import os
 from typing import Optional
 
 from configs import Plan, TrainConfig
+from configs.precision import bf16_weights
 
 GIB = 2 ** 30
 
@@ -32,7 +33,7 @@ def offload_estimate_gib(cfg: TrainConfig, plan: Plan, hidden_size: int, num_lay
     if not mem.offload_activations or mem.recompute not in ("full", "except_attention"):
         return None
     tokens = plan.micro_batch_size * plan.seq_len // plan.cp
-    gib = tokens * hidden_size * (2 if cfg.precision == "bf16" else 4) * num_layers / GIB
+    gib = tokens * hidden_size * (2 if bf16_weights(cfg.precision) else 4) * num_layers / GIB
     return min(gib, mem.offload_max_gib) if mem.offload_max_gib > 0 else gib
 
 
@@ -62,7 +63,7 @@ def attention_offload_estimate_gib(cfg: TrainConfig, plan: Plan, hf_config) -> O
         return None
     tokens = plan.micro_batch_size * plan.seq_len // plan.cp
     kept = hf_config.num_hidden_layers - mem.recompute_num_layers
-    element = 2 if cfg.precision == "bf16" else 4
+    element = 2 if bf16_weights(cfg.precision) else 4
     return tokens * attention_bytes_per_token(hf_config, element, plan.cp // plan.ring) * kept / GIB
 
 

@@ -23,6 +23,7 @@ from configs import TrainConfig
 from configs.compose import HYDRA_CONF_DIR
 from configs.errors import ConfigError
 from configs.memory import AUTO_FILLS, MemoryConfig
+from configs.precision import bf16_weights
 from configs.model import shape_arch
 from ds_ulysses_ext.memory.planner import ModelShape, Policy, Prediction, RunShape, load_calibration, predict
 
@@ -120,7 +121,7 @@ def run_shape(cfg: TrainConfig, world_size: int, ranks_per_node: int, on_gpu: bo
     zero = effective_zero_stage(cfg, world_size)  # one rank runs ZeRO-3 as ZeRO-2 unless it offloads parameters
     return RunShape(seq_len=seq_len or cfg.data.seq_len, cp=cfg.parallelism.cp, world=world_size,
                     micro_batch=cfg.trainer.micro_batch_size, zero_stage=zero,
-                    master_weights=cfg.deepspeed.master_weights if cfg.precision == "bf16" else "fp32",
+                    master_weights=cfg.deepspeed.master_weights if bf16_weights(cfg.precision) else "fp32",
                     attn_backend=planned_backend(cfg, on_gpu),
                     kernels="fused" if on_gpu and cfg.model.kernels != "none" else "none",
                     moe_recompute=cfg.moe.recompute, moe_group=cfg.moe.recompute_group_size,
@@ -131,7 +132,7 @@ def run_shape(cfg: TrainConfig, world_size: int, ranks_per_node: int, on_gpu: bo
 def lean_moe(cfg: TrainConfig, on_gpu: bool) -> bool:
     """Whether the MoE layers will run moe/lean_pass.py (its `applies`, from the config): ep=1 through the all-to-all
     dispatcher, the fused kernels on a GPU in bf16, Qwen3-layout experts (not GPT-OSS's), inputs not offloaded."""
-    return (on_gpu and cfg.model.kernels != "none" and cfg.precision == "bf16" and cfg.parallelism.ep == 1
+    return (on_gpu and cfg.model.kernels != "none" and bf16_weights(cfg.precision) and cfg.parallelism.ep == 1
             and cfg.moe.dispatcher != "deepep" and not cfg.moe.offload_inputs and cfg.model.family != "gpt_oss")
 
 

@@ -151,6 +151,8 @@ def train(cfg: TrainConfig, plan: Plan, rt: Runtime) -> dict:
             dt = time.perf_counter() - t0
             record = _metrics(step + 1, result, lr, dt, rt, plan, num_params, hf_config, peak_tflops,
                               packed_attention_sq(micro_batches, hf_config, topo, rt.device))
+            if step == start and getattr(engine, "fp8_report", None) is not None:  # each run's first row: what runs in FP8
+                record["fp8"] = engine.fp8_report.as_dict()
             if step + 1 in (cfg.logging.profile_step, cfg.logging.memory_snapshot_step):
                 record["profiled"] = True  # its step time includes the profiler's (or recorder's) overhead and export
             # once, what the device holds part by part: after the second step, the first with every part in place

@@ -1,0 +1,52 @@
+"""The run's precision: fp32, bf16, or fp8, and Fp8Config (`fp8.*`, read only under precision=fp8).
+
+precision=fp8 keeps the weights, master weights, gradients and everything outside the chosen linears as
+precision=bf16 does; the chosen linears cast their inputs and weights to float8 for their three GEMMs
+(ds_ulysses_ext/kernels/fp8.py, torchao's float8 training). FP8 is not exact: docs/precision.md states its measured
+bound against bf16.
+"""
+
+from dataclasses import dataclass
+
+from configs.errors import one_of, require
+
+PRECISIONS = ("fp32", "bf16", "fp8")
+
+
+def bf16_weights(precision: str) -> bool:
+    """fp8 keeps bf16 weights, gradients and activations; only the chosen linears' GEMMs run in float8."""
+    return precision in ("bf16", "fp8")
+
+
+# torchao's recipe names (Float8LinearConfig.from_recipe_name): tensorwise (one scale per tensor, the fastest),
+# rowwise (one scale per row: per token for activations, per output feature for weights), rowwise_with_gw_hp
+# (rowwise, the weight gradient's GEMM kept in bf16: the most accurate)
+FP8_RECIPES = ("rowwise", "tensorwise", "rowwise_with_gw_hp")
+# which decoder linears run in FP8: all of them, or the MLPs' only (the small attention projections gain least)
+FP8_LINEARS = ("all", "mlp")
+FP8_COMPILE = ("auto", "true", "false")
+
+
+@dataclass
+class Fp8Config:
+    recipe: str = "rowwise"
+    linears: str = "all"
+    # the casts' amax and scale kernels compiled (torch.compile of each FP8 linear's forward): eager casts made FP8
+    # slower than bf16 on an H200 (docs/precision.md). auto: on CUDA; a CPU run (emulate_on_cpu) stays eager
+    compile: str = "auto"
+    # run the FP8 GEMMs through torch's CPU float8 matmul: slow and only for checking layouts on CPU (the tests do);
+    # without it precision=fp8 on CPU is refused
+    emulate_on_cpu: bool = False
+
+
+def check_fp8(cfg) -> None:
+    """The FP8 settings a config can be refused for before anything is built; the device's own check (FP8 GEMMs on
+    this GPU, torchao importable) runs at the build (ds_ulysses_ext/kernels/fp8.py)."""
+    one_of("fp8.recipe", cfg.fp8.recipe, FP8_RECIPES)
+    one_of("fp8.linears", cfg.fp8.linears, FP8_LINEARS)
+    one_of("fp8.compile", cfg.fp8.compile, FP8_COMPILE)
+    if cfg.precision != "fp8":
+        return
+    require(cfg.device != "cpu" or cfg.fp8.emulate_on_cpu,
+            "precision=fp8 needs a GPU with FP8 GEMMs (compute capability 8.9 or newer: H100, H200, L40S, B200); "
+            "this run is on the CPU: set precision=bf16 (or fp32)")

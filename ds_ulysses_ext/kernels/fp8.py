@@ -1,0 +1,119 @@
+"""FP8 linears (precision=fp8): the decoder's nn.Linear layers become torchao Float8Linear, instance by instance.
+
+Shapes: x [B, s, H_in] -> y [B, s, H_out] as before. Each of a chosen linear's three GEMMs (y = x W^T, dx = dy W,
+dW = dy^T x) takes float8 operands with the recipe's scales and accumulates in fp32; its output, its saved input
+and every parameter stay bf16. Recipes (torchao's names, configs/precision.py): `tensorwise` one scale per tensor;
+`rowwise` one per row along the GEMM's reduction (per token for activations, per output feature for the weight);
+`rowwise_with_gw_hp` rowwise with the weight gradient's GEMM in bf16.
+
+Why torchao's Float8Linear rather than our own: its casts, scale rules and the three GEMMs' layouts are what
+torchtitan trains with and tests; we choose which modules it replaces and leave HF's classes untouched (the swap is
+per instance: a new module object in the parent's slot, holding the same weight Parameter).
+
+What stays bf16, and why:
+- attention itself: there is no FP8 attention backward on Hopper;
+- lm_head: outside the decoder; the fused loss head reads its weight directly (ds_ulysses_ext/lm.py);
+- routers (`gate`, `router`, `shared_expert_gate`): a router's logits choose experts, and a rounding flip there is
+  a different expert, not a rounding error;
+- the MoE experts: our grouped GEMMs (moe/experts.py), not nn.Linear;
+- a linear whose in or out features are not multiples of 16 (the FP8 GEMM's alignment);
+- with fp8.linears=mlp, everything but the dense MLPs' gate/up/down projections (shared experts included).
+Under CP each rank's linears see its own tokens: rowwise's activation scales are per token, so the forward GEMMs
+equal cp=1's; tensorwise scales take the amax of the local shard, and the weight-gradient scales of every recipe
+but rowwise_with_gw_hp are over the local tokens (docs/precision.md).
+"""
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import UnsupportedError
+
+log = logging.getLogger(__name__)
+
+ROUTER_NAMES = ("gate", "router", "shared_expert_gate")
+MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
+ALIGN = 16  # torch._scaled_mm needs both GEMM dimensions divisible by 16
+MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada, Hopper, Blackwell
+
+
+@dataclass
+class Fp8Report:
+    recipe: str
+    fp8: Counter = field(default_factory=Counter)  # leaf name -> how many run in FP8
+    bf16: dict = field(default_factory=dict)  # leaf name -> why it stays bf16
+    compiled: bool = False
+
+    def as_dict(self) -> dict:
+        return {"recipe": self.recipe, "fp8_linears": dict(sorted(self.fp8.items())),
+                "bf16_linears": dict(sorted(self.bf16.items())), "compiled": self.compiled}
+
+    def __str__(self) -> str:
+        kept = "; ".join(f"{n} ({why})" for n, why in sorted(self.bf16.items())) or "none"
+        return (f"precision=fp8, recipe {self.recipe}: {sum(self.fp8.values())} linears in FP8 "
+                f"({', '.join(f'{n} x{c}' for n, c in sorted(self.fp8.items()))}), casts "
+                f"{'compiled' if self.compiled else 'eager'}; decoder linears kept in bf16: {kept}; lm_head, "
+                f"attention and the MoE experts' grouped GEMMs stay bf16")
+
+
+def check_fp8_device(device: torch.device, emulate_on_cpu: bool) -> None:
+    """Refuse, before the model is built, a device that cannot run FP8 GEMMs, or a missing torchao."""
+    if device.type == "cpu" and not emulate_on_cpu:
+        raise UnsupportedError("precision=fp8 needs a GPU with FP8 GEMMs (compute capability 8.9 or newer); this run "
+                               "is on the CPU: set precision=bf16")
+    if device.type == "cuda":
+        cap = torch.cuda.get_device_capability(device)
+        if tuple(cap) < MIN_CAPABILITY:
+            raise UnsupportedError(f"precision=fp8: this GPU ({torch.cuda.get_device_name(device)}, compute capability "
+                                   f"{cap[0]}.{cap[1]}) has no FP8 GEMMs (8.9 or newer: H100, H200, L40S, B200); set "
+                                   "precision=bf16")
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError as err:
+        raise UnsupportedError("precision=fp8 runs torchao's float8 training, which is not installed: pip install "
+                               "'torchao==0.18.0' (the project's [fp8] extra), or set precision=bf16") from err
+
+
+def _why_bf16(leaf: str, module: torch.nn.Linear, linears: str) -> str:
+    """'' when the linear runs in FP8, else the reason it stays bf16."""
+    if leaf in ROUTER_NAMES:
+        return "router"
+    if linears == "mlp" and leaf not in MLP_NAMES:
+        return "fp8.linears=mlp"
+    if module.in_features % ALIGN or module.out_features % ALIGN:
+        return f"features not multiples of {ALIGN}"
+    return ""
+
+
+def apply_fp8(hf_model: torch.nn.Module, recipe: str, linears: str, compile_casts: bool) -> Fp8Report:
+    """Swap the chosen decoder linears for Float8Linear; before the fused kernels bind (their projection groups take
+    plain nn.Linear only, so FP8 linears keep their own forward) and before DeepSpeed wraps the model."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    report = Fp8Report(recipe=recipe, compiled=compile_casts)
+    chosen = set()
+    decoder = hf_model.get_decoder()
+    for name, module in decoder.layers.named_modules():
+        if type(module) is not torch.nn.Linear:  # exactly torch's Linear: a LoRA or quantized one keeps its forward
+            continue
+        leaf = name.rsplit(".", 1)[-1]
+        why = _why_bf16(leaf, module, linears)
+        if why:
+            report.bf16[leaf] = why
+        else:
+            chosen.add(name)
+            report.fp8[leaf] += 1
+    if not chosen:
+        raise UnsupportedError(f"precision=fp8: no decoder linear can run in FP8 (kept in bf16: {report.bf16}); set "
+                               "precision=bf16")
+    convert_to_float8_training(decoder.layers, config=Float8LinearConfig.from_recipe_name(recipe),
+                               module_filter_fn=lambda module, fqn: fqn in chosen)
+    if compile_casts:
+        for name in chosen:
+            module = decoder.layers.get_submodule(name)
+            # the instance's forward, compiled: the amax, scale and cast kernels fuse around the GEMMs; ZeRO-3's
+            # gather hooks stay outside, on the module's __call__
+            module.forward = torch.compile(module.forward)
+    return report

@@ -1,0 +1,171 @@
+"""precision=fp8 (ds_ulysses_ext/kernels/fp8.py): what is refused, which linears run in FP8, and, on CPU through
+torch's float8 matmul (fp8.emulate_on_cpu), that the layouts agree within FP8's own distance from bf16.
+
+FP8 is not exact, so the layout tests bound cp=2 against cp=1 by the measured FP8-vs-bf16 distance of the same run
+rather than by rounding."""
+import json
+import sys
+
+import pytest
+import torch
+
+from configs import ConfigError, compose_config, validate
+from ds_ulysses_ext.errors import UnsupportedError
+from ds_ulysses_ext.kernels.fp8 import apply_fp8, check_fp8_device
+from ds_ulysses_ext.kernels.projections import bind_projection_groups
+from test_engine import _rel, train
+
+pytest.importorskip("torchao.float8", reason="torchao is a test dependency ([test] extra)")
+
+FP8 = ["precision=fp8", "fp8.emulate_on_cpu=true"]
+
+
+# --- refused before the build ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("overrides, message", [
+    (["precision=fp8", "device=cpu"], r"precision=fp8 needs a GPU with FP8 GEMMs .*set precision=bf16"),
+    (FP8 + ["fp8.recipe=delayed"], r"fp8.recipe=delayed"),
+    (FP8 + ["fp8.linears=attention"], r"fp8.linears=attention"),
+    (["precision=bf16", "fp8.recipe=tensorwise"], r"fp8.recipe.*precision=fp8"),  # set, and never read
+    (["precision=fp32", "fp8.linears=mlp"], r"fp8.linears.*precision=fp8"),
+])
+def test_fp8_config_refusals(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(compose_config(["model=tiny", "parallelism.cp=1"] + overrides), world_size=1)
+
+
+def test_fp8_config_validates_with_master_weights_bf16():
+    plan = validate(compose_config(["model=tiny", "parallelism.cp=1", "device=cpu", "deepspeed.master_weights=bf16"]
+                                   + FP8), world_size=1)
+    assert plan.precision == "fp8"
+
+
+def test_fp8_device_refusals(monkeypatch):
+    with pytest.raises(UnsupportedError, match="this run is on the CPU: set precision=bf16"):
+        check_fp8_device(torch.device("cpu"), emulate_on_cpu=False)
+    check_fp8_device(torch.device("cpu"), emulate_on_cpu=True)  # the tests' path
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "A100")
+    with pytest.raises(UnsupportedError, match=r"A100, compute capability 8.0\) has no FP8 GEMMs"):
+        check_fp8_device(torch.device("cuda"), emulate_on_cpu=False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)  # import fails as when torchao is absent
+    with pytest.raises(UnsupportedError, match=r"pip install 'torchao==0.18.0'"):
+        check_fp8_device(torch.device("cuda"), emulate_on_cpu=False)
+
+
+# --- which linears ---------------------------------------------------------------------------------------------------
+
+def _tiny(family="llama", **extra):
+    from transformers import AutoConfig, AutoModelForCausalLM
+    shape = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16)
+    cfg = AutoConfig.for_model(family, **{**shape, **extra})
+    return AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
+
+
+def _fp8_names(model):
+    from torchao.float8.float8_linear import Float8Linear
+    return sorted(n for n, m in model.named_modules() if isinstance(m, Float8Linear))
+
+
+def test_every_decoder_linear_and_nothing_else():
+    model = _tiny()
+    report = apply_fp8(model, "rowwise", "all", compile_casts=False)
+    names = _fp8_names(model)
+    assert len(names) == 14 and all(n.startswith("model.layers.") for n in names), names  # 7 per layer
+    assert type(model.lm_head) is torch.nn.Linear  # outside the decoder: stays bf16
+    assert dict(report.fp8) == {n: 2 for n in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                               "down_proj")}
+    # the projection groups bind plain nn.Linear only: FP8 linears keep their own forward
+    assert bind_projection_groups(model) == 0
+
+
+def test_mlp_only_keeps_attention_bf16_and_grouped():
+    model = _tiny()
+    report = apply_fp8(model, "tensorwise", "mlp", compile_casts=False)
+    assert {n.rsplit(".", 1)[-1] for n in _fp8_names(model)} == {"gate_proj", "up_proj", "down_proj"}
+    assert report.bf16 == {n: "fp8.linears=mlp" for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    assert bind_projection_groups(model) == 2  # q/k/v of each layer, still one node
+
+
+def test_routers_experts_and_unaligned_linears_stay_bf16():
+    # HF's Qwen3-MoE: its router and fused experts are parameters, not nn.Linear: attention alone runs in FP8
+    model = _tiny("qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48)
+    report = apply_fp8(model, "rowwise", "all", compile_casts=False)
+    assert set(report.fp8) == {"q_proj", "k_proj", "v_proj", "o_proj"}, report
+    # a router that is an nn.Linear (its aligned shape would otherwise qualify) stays bf16, by name
+    model = _tiny()
+    for name in ("gate", "router", "shared_expert_gate"):
+        setattr(model.model.layers[0].mlp, name, torch.nn.Linear(64, 16, dtype=torch.bfloat16))
+    report = apply_fp8(model, "rowwise", "all", compile_casts=False)
+    assert all(report.bf16[n] == "router" for n in ("gate", "router", "shared_expert_gate")), report
+    assert type(model.model.layers[0].mlp.router) is torch.nn.Linear
+    model = _tiny(intermediate_size=120)  # 120 is not a multiple of 16
+    report = apply_fp8(model, "rowwise", "all", compile_casts=False)
+    assert report.bf16["gate_proj"] == "features not multiples of 16" and "gate_proj" not in report.fp8
+
+
+def test_fp8_linear_runs_float8_and_tracks_bf16():
+    # the swap changes the numbers (it runs in FP8), by FP8's rounding and no more
+    torch.manual_seed(0)
+    model = _tiny()
+    ref = _tiny()
+    ref.load_state_dict(model.state_dict())
+    apply_fp8(model, "rowwise", "all", compile_casts=False)
+    ids = torch.randint(0, 128, (1, 48))
+    out, want = model(ids, labels=ids), ref(ids, labels=ids)
+    out.loss.backward()
+    want.loss.backward()
+    assert out.loss.item() != want.loss.item()
+    assert _rel(out.loss.item(), want.loss.item()) < 2e-2
+    g, w = model.model.layers[0].mlp.down_proj.weight.grad, ref.model.layers[0].mlp.down_proj.weight.grad
+    assert float((g.float() - w.float()).norm() / w.float().norm()) < 0.15
+
+
+# --- through scripts/train.py, on CPU -------------------------------------------------------------------------------
+
+def test_fp8_layouts_agree_within_fp8s_distance_from_bf16(tmp_path):
+    # cp=2 under ZeRO-3 against world 1 in FP8 (rowwise), bounded by FP8's own distance from bf16 at world 1 (d1):
+    # - step 1's loss is the forward alone, and rowwise's forward scales are per token: the layouts agree there as
+    #   closely as bf16's do;
+    # - step 1's gradient norm: within d1 there (the backward's scales span the tokens a rank holds);
+    # - the later steps compound that: their losses within 5x the run's largest d1 (measured here: 2.5x).
+    common = ["trainer.max_steps=3", "precision=bf16"]
+    bf16_1 = train(tmp_path, "bf16_w1", 1, common + ["parallelism.cp=1"])
+    bf16_2 = train(tmp_path, "bf16_w2", 2, common + ["parallelism.cp=2"])
+    fp8_1 = train(tmp_path, "fp8_w1", 1, common + FP8 + ["parallelism.cp=1"])
+    fp8_2 = train(tmp_path, "fp8_w2", 2, common + FP8 + ["parallelism.cp=2"])
+    assert fp8_1[0]["fp8"]["recipe"] == "rowwise" and sum(fp8_1[0]["fp8"]["fp8_linears"].values()) == 28
+    assert "fp8" not in fp8_1[1]  # once per run
+    d1 = [_rel(f["loss"], b["loss"]) for f, b in zip(fp8_1, bf16_1)]
+    assert min(d1) > 0  # it ran in FP8
+    assert _rel(fp8_2[0]["loss"], fp8_1[0]["loss"]) <= max(2 * _rel(bf16_2[0]["loss"], bf16_1[0]["loss"]), 1e-6)
+    d1_grad = _rel(fp8_1[0]["grad_norm"], bf16_1[0]["grad_norm"])
+    assert _rel(fp8_2[0]["grad_norm"], fp8_1[0]["grad_norm"]) <= d1_grad, (fp8_2[0], fp8_1[0], d1_grad)
+    for step, (b1, b2, f1, f2) in enumerate(zip(bf16_1, bf16_2, fp8_1, fp8_2), 1):
+        bound = 5 * max(d1) + 2 * _rel(b2["loss"], b1["loss"])
+        assert _rel(f2["loss"], f1["loss"]) <= bound, (step, f1["loss"], f2["loss"], d1)
+
+
+def test_fp8_export_is_plain_bf16_hf(tmp_path):
+    # checkpoints and HF exports keep the weights' own dtype and HF's names: a stock class loads them
+    from transformers import AutoModelForCausalLM
+    train(tmp_path, "fp8_export", 1, ["trainer.max_steps=1", "precision=bf16", "parallelism.cp=1",
+                                      "trainer.export_hf=true"] + FP8)
+    export = tmp_path / "fp8_export" / "hf_export"
+    model = AutoModelForCausalLM.from_pretrained(export)
+    assert model.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
+    assert type(model.model.layers[0].self_attn.q_proj) is torch.nn.Linear
+    cfg = json.loads((export / "config.json").read_text())
+    assert cfg["model_type"] == "llama"
+
+
+@pytest.mark.parametrize("preset", ["full_recompute", "except_attention", "selective"])
+def test_fp8_under_recompute_equals_fp8_without(tmp_path, preset):
+    # a recomputed FP8 linear casts the same inputs with the same scales again: the trajectory is memory=none's
+    common = ["trainer.max_steps=2", "precision=bf16", "parallelism.cp=1"] + FP8
+    ref = train(tmp_path, "none", 1, common)
+    got = train(tmp_path, preset, 1, common + [f"memory={preset}"])
+    for g, r in zip(got, ref):
+        assert _rel(g["loss"], r["loss"]) < 1e-6 and _rel(g["grad_norm"], r["grad_norm"]) < 1e-6, (preset, g, r)
