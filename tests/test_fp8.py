@@ -18,6 +18,7 @@ from test_engine import _rel, train
 pytest.importorskip("torchao.float8", reason="torchao is a test dependency ([test] extra)")
 
 FP8 = ["precision=fp8", "fp8.emulate_on_cpu=true"]
+ALL = ["fp8.linears=all"]  # every decoder linear (the default is the MLPs'), for the runs through scripts/train.py
 
 
 # --- refused before the build ----------------------------------------------------------------------------------------
@@ -27,7 +28,7 @@ FP8 = ["precision=fp8", "fp8.emulate_on_cpu=true"]
     (FP8 + ["fp8.recipe=delayed"], r"fp8.recipe=delayed"),
     (FP8 + ["fp8.linears=attention"], r"fp8.linears=attention"),
     (["precision=bf16", "fp8.recipe=tensorwise"], r"fp8.recipe.*precision=fp8"),  # set, and never read
-    (["precision=fp32", "fp8.linears=mlp"], r"fp8.linears.*precision=fp8"),
+    (["precision=fp32", "fp8.linears=all"], r"fp8.linears.*precision=fp8"),
 ])
 def test_fp8_config_refusals(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -134,8 +135,8 @@ def test_fp8_layouts_agree_within_fp8s_distance_from_bf16(tmp_path):
     common = ["trainer.max_steps=3", "precision=bf16"]
     bf16_1 = train(tmp_path, "bf16_w1", 1, common + ["parallelism.cp=1"])
     bf16_2 = train(tmp_path, "bf16_w2", 2, common + ["parallelism.cp=2"])
-    fp8_1 = train(tmp_path, "fp8_w1", 1, common + FP8 + ["parallelism.cp=1"])
-    fp8_2 = train(tmp_path, "fp8_w2", 2, common + FP8 + ["parallelism.cp=2"])
+    fp8_1 = train(tmp_path, "fp8_w1", 1, common + FP8 + ALL + ["parallelism.cp=1"])
+    fp8_2 = train(tmp_path, "fp8_w2", 2, common + FP8 + ALL + ["parallelism.cp=2"])
     assert fp8_1[0]["fp8"]["recipe"] == "rowwise" and sum(fp8_1[0]["fp8"]["fp8_linears"].values()) == 28
     assert "fp8" not in fp8_1[1]  # once per run
     d1 = [_rel(f["loss"], b["loss"]) for f, b in zip(fp8_1, bf16_1)]
@@ -164,8 +165,14 @@ def test_fp8_export_is_plain_bf16_hf(tmp_path):
 @pytest.mark.parametrize("preset", ["full_recompute", "except_attention", "selective"])
 def test_fp8_under_recompute_equals_fp8_without(tmp_path, preset):
     # a recomputed FP8 linear casts the same inputs with the same scales again: the trajectory is memory=none's
-    common = ["trainer.max_steps=2", "precision=bf16", "parallelism.cp=1"] + FP8
+    common = ["trainer.max_steps=2", "precision=bf16", "parallelism.cp=1"] + FP8 + ALL
     ref = train(tmp_path, "none", 1, common)
     got = train(tmp_path, preset, 1, common + [f"memory={preset}"])
     for g, r in zip(got, ref):
         assert _rel(g["loss"], r["loss"]) < 1e-6 and _rel(g["grad_norm"], r["grad_norm"]) < 1e-6, (preset, g, r)
+
+
+def test_fp8_default_is_the_mlps(tmp_path):
+    rows = train(tmp_path, "default", 1, ["trainer.max_steps=1", "precision=bf16", "parallelism.cp=1"] + FP8)
+    assert rows[0]["fp8"]["fp8_linears"] == {"down_proj": 4, "gate_proj": 4, "up_proj": 4}
+    assert rows[0]["fp8"]["bf16_linears"] == {n: "fp8.linears=mlp" for n in ("k_proj", "o_proj", "q_proj", "v_proj")}
