@@ -106,8 +106,10 @@ def apply_fp8(hf_model: torch.nn.Module, recipe: str, linears: str, compile_cast
             chosen.add(name)
             report.fp8[leaf] += 1
     if not chosen:
-        raise UnsupportedError(f"precision=fp8: no decoder linear can run in FP8 (kept in bf16: {report.bf16}); set "
-                               "precision=bf16")
+        # e.g. an MoE model with no dense MLP under the default fp8.linears=mlp: its experts are our grouped GEMMs
+        fix = "set fp8.linears=all (attention's projections in FP8 too) or " if linears == "mlp" else "set "
+        raise UnsupportedError(f"precision=fp8: no decoder linear can run in FP8 (kept in bf16: {report.bf16}; the "
+                               f"MoE experts' grouped GEMMs stay bf16); {fix}precision=bf16")
     convert_to_float8_training(decoder.layers, config=Float8LinearConfig.from_recipe_name(recipe),
                                module_filter_fn=lambda module, fqn: fqn in chosen)
     if compile_casts:
