@@ -108,6 +108,18 @@
 #                with fla's kernels at the first of them (ours sees fla there too: model.linear_attn_kernel=auto);
 #                $HYB_LIGER=1 adds HF + Liger (Liger 0.8.5 patches qwen3_5, qwen3_5_moe and qwen3_next);
 #                $OUT/hybrid_train.jsonl
+#   fp8_short    precision=fp8 against our own bf16 at the same settings, and HF + Liger + torchao's float8 (the anchor an
+#                HF user can assemble; model_bench.py --fp8, each decoder layer compiled): $MODEL (default llama3_2_1b;
+#                $ANCHOR_SHAPE e.g. "--shape llama8b --layers 8" to match llama3_1_8b_shape with
+#                model.arch.num_hidden_layers=8 in $EXTRA) at $FP8_POINTS (default 16384:none,32768:none; ours zero0,
+#                bf16 master weights, Liger's kernels, no clipping, the step in backward, $EXTRA), ours bf16 then
+#                fp8 with each of $FP8_LINEARS (default "mlp all") and $FP8_RECIPE (default rowwise), then the anchor
+#                without checkpointing at the same lengths; $OUT/fp8_short.jsonl
+#   fp8_track    FP8's accuracy against bf16: $FP8_TRACK_STEPS (default 500) steps of the Llama-3.2-1B shape on the shipped
+#                corpus (data=demo, $FP8_TRACK_SEQ tokens a row, default 4096, lr $FP8_TRACK_LR, default 1e-4) in bf16,
+#                in fp8 ($FP8_TRACK_ARGS more overrides, e.g. fp8.linears=all) and a rounding-only control (bf16, loss
+#                chunks of 1024); the fp8 and control losses against bf16's (max, mean |dloss|) and each run's last
+#                eval loss; $OUT/fp8_track_<run>.jsonl
 #   gpu_matrix   the GPU exactness matrix (scripts/bench/gpu_matrix.py): every family at a small shape with its real head dims,
 #                each model.kernels, every preset memory=auto can choose, zero0 / zero3, the optimizer step in backward,
 #                packed documents, against the fp32 eager unsplit model; $OUT/gpu_matrix.jsonl; $MATRIX_ARGS: more
@@ -282,6 +294,38 @@ for name, a in zip(('liger', 'control'), runs):
                  python3 -m pytest -q -rs -p no:cacheprovider tests/test_moe_gpt_oss.py -k grouped
                  python3 -m pytest -q -rs -p no:cacheprovider tests/test_zero0.py -k "triton or cuda or in_backward and not follows"; } 2>&1 \
                  | tee "$OUT/gpu_tests.txt" | tail -30 ;;
+    fp8_short) pts=${FP8_POINTS:-16384:none,32768:none}; M=${MODEL:-llama3_2_1b}
+               C="deepspeed.master_weights=bf16 model.kernels=liger trainer.grad_clip=0 trainer.optimizer_in_backward=true"
+               python3 scripts/bench/bench_train.py --model $M --points $pts --steps 5 --no-phase-times --deepspeed zero0 \
+                 $C ${EXTRA:-} | grep RESULT | cut -c1-1200 | tee -a "$OUT/fp8_short.jsonl"
+               for l in ${FP8_LINEARS:-mlp all}; do
+                 python3 scripts/bench/bench_train.py --model $M --points $pts --steps 5 --no-phase-times --deepspeed zero0 \
+                   --precision fp8 $C fp8.linears=$l fp8.recipe=${FP8_RECIPE:-rowwise} ${EXTRA:-} | grep RESULT | cut -c1-1200 \
+                   | tee -a "$OUT/fp8_short.jsonl"
+               done
+               for p in ${pts//,/ }; do
+                 python3 .bench/anchor-bench/model_bench.py --seq ${p%%:*} --variant hf --liger --fp8 ${FP8_RECIPE:-rowwise} \
+                   --no-ckpt --warmup 1 --reps 3 ${ANCHOR_SHAPE:-} 2>&1 | grep -E "RESULT|Error" | tail -2 | tee -a "$OUT/fp8_short.jsonl"
+               done ;;
+    fp8_track) for k in bf16 fp8 control; do
+                 case $k in bf16) a="precision=bf16" ;; fp8) a="precision=fp8 ${FP8_TRACK_ARGS:-}" ;;
+                             control) a="precision=bf16 trainer.loss_chunk_size=1024" ;; esac  # rounding only
+                 python3 -m torch.distributed.run --standalone --nproc_per_node=1 scripts/train.py model=${FP8_TRACK_MODEL:-llama3_2_1b} \
+                   data=demo data.seq_len=${FP8_TRACK_SEQ:-4096} data.eval_samples=16 parallelism.cp=1 trainer.global_batch_size=1 \
+                   trainer.max_steps=${FP8_TRACK_STEPS:-500} trainer.warmup_steps=20 trainer.lr=${FP8_TRACK_LR:-1e-4} \
+                   trainer.eval_every=${FP8_TRACK_STEPS:-500} trainer.save_at_end=false trainer.export_hf=false \
+                   deepspeed.master_weights=bf16 logging.progress_bar=false run.name=fp8_track_$k $a > "$OUT/fp8_track_$k.log" 2>&1
+                 echo "fp8_track $k rc=$?"; cp outputs/fp8_track_$k/metrics.jsonl "$OUT/fp8_track_$k.jsonl"
+               done
+               python3 -c "import json, sys
+rows = [[json.loads(l) for l in open(f)] for f in sys.argv[1:]]
+ref, *runs = ([r['loss'] for r in rs if 'loss' in r] for rs in rows)
+evals = [[r['eval_loss'] for r in rs if 'eval_loss' in r][-1:] for rs in rows]
+for name, a in zip(('fp8', 'control'), runs):
+    d = [abs(x - y) for x, y in zip(a, ref)]
+    print(f'fp8_track {name} vs bf16: {len(d)} steps, max |dloss| {max(d):.3e}, mean {sum(d) / len(d):.3e}, last {d[-1]:.3e}')
+print('fp8_track last eval loss bf16 / fp8 / control:', evals)" \
+                 "$OUT/fp8_track_bf16.jsonl" "$OUT/fp8_track_fp8.jsonl" "$OUT/fp8_track_control.jsonl" ;;
     gpu_matrix) python3 scripts/bench/gpu_matrix.py --jobs ${MATRIX_JOBS:-8} --deadline-s ${MATRIX_DEADLINE_S:-520} \
                     --resume --out outputs/gpu_matrix.jsonl ${MATRIX_ARGS:-} 2>&1 | grep -E '^\{|gpu_matrix' \
                   | cut -c1-400; cp outputs/gpu_matrix.jsonl "$OUT/" ;;

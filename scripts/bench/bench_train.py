@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 
 
 def run_ours(S, memory, args, out_root):
-    out = out_root / f"ours_{args.model}_{S}_{memory}_cp{args.cp}"
+    out = out_root / (f"ours_{args.model}_{S}_{memory}_cp{args.cp}" + ("" if args.precision == "bf16" else f"_{args.precision}"))
     over = [f"model={args.model}", "data=synthetic", f"data.seq_len={S}", "data.num_samples=64",
             f"trainer.max_steps={args.steps}", f"trainer.global_batch_size={args.nproc // args.cp}",
             "trainer.micro_batch_size=1", "trainer.warmup_steps=1", "trainer.save_at_end=false",
@@ -43,7 +43,7 @@ def run_ours(S, memory, args, out_root):
     t0 = time.time()
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     res = dict(variant="ours", model=args.model, S=S, memory=memory, cp=args.cp, nproc=args.nproc,
-               deepspeed=args.deepspeed,
+               deepspeed=args.deepspeed, precision=args.precision,
                overrides=args.extra, wall_s=time.time() - t0, rc=p.returncode)
     metrics = out / "metrics.jsonl"
     rows = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
@@ -60,7 +60,7 @@ def run_ours(S, memory, args, out_root):
                tflops_per_gpu=statistics.median(r["tflops_per_gpu"] for r in timed),
                mfu=statistics.median(r["mfu"] for r in timed) if last["mfu"] is not None else None,
                peak_alloc_gib=last["peak_mem_gib"], peak_reserved_gib=last["peak_reserved_gib"],
-               loss=last["loss"],
+               loss=last["loss"], **({"fp8": rows[0]["fp8"]} if "fp8" in rows[0] else {}),
                **{k: statistics.median(r[k] for r in timed) for k in last if k.startswith("time_")})
     return res
 
