@@ -162,9 +162,10 @@ def test_fp8_export_is_plain_bf16_hf(tmp_path):
     assert cfg["model_type"] == "llama"
 
 
-@pytest.mark.parametrize("preset", ["full_recompute", "except_attention", "selective"])
+@pytest.mark.parametrize("preset", ["full_recompute", "except_attention", "selective", "offload", "except_attention_offload", "tiled", "long_context"])
 def test_fp8_under_recompute_equals_fp8_without(tmp_path, preset):
-    # a recomputed FP8 linear casts the same inputs with the same scales again: the trajectory is memory=none's
+    # a recomputed FP8 linear casts the same inputs with the same scales again, and an offloaded input comes back
+    # unchanged: the trajectory is memory=none's (the tiled presets' tile, 8192 tokens, holds the whole row here)
     common = ["trainer.max_steps=2", "precision=bf16", "parallelism.cp=1"] + FP8 + ALL
     ref = train(tmp_path, "none", 1, common)
     got = train(tmp_path, preset, 1, common + [f"memory={preset}"])
@@ -209,3 +210,16 @@ def test_fp8_optimizer_in_backward_equals_its_step_after(tmp_path):
     inside = train(tmp_path, "inside", 1, common + ["trainer.optimizer_in_backward=true"])
     for a, b in zip(inside, after):
         assert _rel(a["loss"], b["loss"]) < 1e-6, (a, b)
+
+
+def test_fp8_tiled_mlp_within_fp8s_distance_from_bf16(tmp_path):
+    # MLP tiles of 8 tokens: each tile's weight-gradient GEMM takes its own token-axis scales, so the trajectory is
+    # not memory=none's exactly (5e-5 apart at step 2, measured), but within 5x FP8's own distance from bf16
+    common = ["trainer.max_steps=3", "precision=bf16", "parallelism.cp=1"]
+    bf16 = train(tmp_path, "bf16", 1, common)
+    whole = train(tmp_path, "whole", 1, common + FP8 + ALL)
+    tiled = train(tmp_path, "tiled", 1, common + FP8 + ALL + ["memory=tiled", "memory.mlp_tile_tokens=8"])
+    d1 = max(_rel(f["loss"], b["loss"]) for f, b in zip(whole, bf16))
+    assert tiled[1]["loss"] != whole[1]["loss"]  # the tiles really changed the scales
+    for t, w in zip(tiled, whole):
+        assert _rel(t["loss"], w["loss"]) <= 5 * d1, (t["step"], t["loss"], w["loss"], d1)
