@@ -262,6 +262,10 @@ def apply_auto_memory(cfg: TrainConfig, world_size: int, device, ranks_per_node:
                  cfg.parallelism.cp, plan.run.local_tokens, plan.table())
         log.info("memory=auto chose memory=%s: predicted %.1f GiB peak, %.3g s per step", plan.choice, p.peak_gib,
                  p.step_s)
+        if cfg.precision == "fp8":  # FP8 linears save the same bf16 inputs; their GEMM time has no calibration row
+            log.warning("memory=auto under precision=fp8: the planner's step model is bf16's (no FP8 row in its "
+                        "calibration), so the predicted step time is bf16's; the peak counts FP8 linears' saved "
+                        "tensors as bf16 linears' (the same bf16 inputs)")
     return chosen_config(cfg, plan.choice)
 
 
