@@ -47,7 +47,7 @@ UNREAD = {
     # deepspeed=zero0 runs on one rank only: the third item is the world size to validate at
     **{f"deepspeed.{k}": (["deepspeed=zero0", "parallelism.cp=1", "trainer.global_batch_size=1"], v, 1)
        for k, v in (("overlap_comm", False), ("contiguous_gradients", False), ("reduce_bucket_size", 1000))},
-    "fp8.recipe": ([], "tensorwise"), "fp8.linears": ([], "all"), "fp8.compile": ([], "false"),
+    "fp8.recipe": ([], "rowwise"), "fp8.linears": ([], "all"), "fp8.compile": ([], "false"),
     "fp8.emulate_on_cpu": ([], True),
     "moe.dispatcher": ([], "alltoall"),
     "moe.balance": ([], "bias"),

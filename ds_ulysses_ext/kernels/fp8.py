@@ -2,9 +2,9 @@
 
 Shapes: x [B, s, H_in] -> y [B, s, H_out] as before. Each of a chosen linear's three GEMMs (y = x W^T, dx = dy W,
 dW = dy^T x) takes float8 operands with the recipe's scales and accumulates in fp32; its output, its saved input
-and every parameter stay bf16. Recipes (torchao's names, configs/precision.py): `tensorwise` one scale per tensor;
-`rowwise` one per row along the GEMM's reduction (per token for activations, per output feature for the weight);
-`rowwise_with_gw_hp` rowwise with the weight gradient's GEMM in bf16.
+and every parameter stay bf16. Recipes (torchao's names, configs/precision.py): `tensorwise` one scale per tensor
+(the default: its step measured faster); `rowwise` one per row along the GEMM's reduction (per token for
+activations, per output feature for the weight); `rowwise_with_gw_hp` rowwise with the weight gradient's GEMM in bf16.
 
 Why torchao's Float8Linear rather than our own: its casts, scale rules and the three GEMMs' layouts are what
 torchtitan trains with and tests; we choose which modules it replaces and leave HF's classes untouched (the swap is
@@ -113,6 +113,10 @@ def apply_fp8(hf_model: torch.nn.Module, recipe: str, linears: str, compile_cast
     convert_to_float8_training(decoder.layers, config=Float8LinearConfig.from_recipe_name(recipe),
                                module_filter_fn=lambda module, fqn: fqn in chosen)
     if compile_casts:
+        # the instances share Float8Linear.forward's code, so dynamo keeps one graph per weight shape and grad mode
+        # (q/k/v/o/gate/up/down at train and eval: up to 8 at the 1B shape, dynamo's default limit, past which the
+        # rest would run eager and slower, with only a warning)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         for name in chosen:
             module = decoder.layers.get_submodule(name)
             # the instance's forward, compiled: the amax, scale and cast kernels fuse around the GEMMs; ZeRO-3's

@@ -1,0 +1,100 @@
+#!/usr/bin/env python3
+"""One dense SwiGLU MLP, forward + backward, in bf16 and in FP8 (torchao Float8Linear), by where the casts compile.
+
+    python3 scripts/bench/bench_fp8_mlp.py [--model llama3_2_1b] [--tokens 16384,32768] [--recipes rowwise]
+
+Why: precision=fp8's speed rests on how the amax / scale / cast kernels around each FP8 GEMM are compiled. Variants:
+- `bf16`: HF's MLP, eager (the reference; our step binds Liger's fused SiLU-and-multiply, one kernel less);
+- `bf16_compiled`: the same MLP compiled whole (SiLU and product fused by inductor);
+- `fp8_eager`: Float8Linear's casts eager;
+- `fp8_per_linear`: each Float8Linear's forward compiled alone (casts fused among themselves, never with a
+  neighbour; three compiled regions per MLP);
+- `fp8_mlp`: the MLP compiled whole with its three Float8Linear: one cast of x feeds gate and up, SiLU-and-product
+  fuses with the cast of down's input, and the backward's casts fuse with the SwiGLU backward.
+Each JSON line: variant, recipe, tokens, median ms of forward + backward (input and weight gradients), the ratio to
+`bf16`, and the forward output's relative distance from bf16's. Shapes from hydra_conf/model/<model>.yaml.
+"""
+import argparse
+import copy
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+from bench_attention import timed  # noqa: E402
+from bench_gemm import layer_linears  # noqa: E402
+
+
+def mlp(hidden: int, inter: int, device) -> torch.nn.Module:
+    from transformers.models.llama.modeling_llama import LlamaMLP
+    from transformers import LlamaConfig
+    torch.manual_seed(0)
+    m = LlamaMLP(LlamaConfig(hidden_size=hidden, intermediate_size=inter, hidden_act="silu", mlp_bias=False))
+    return m.to(device=device, dtype=torch.bfloat16)
+
+
+def variant(base: torch.nn.Module, name: str, recipe: str) -> torch.nn.Module:
+    m = copy.deepcopy(base)
+    if name == "bf16":
+        return m
+    if name == "bf16_compiled":
+        return torch.compile(m)
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    convert_to_float8_training(m, config=Float8LinearConfig.from_recipe_name(recipe))
+    if name == "fp8_per_linear":
+        for lin in (m.gate_proj, m.up_proj, m.down_proj):
+            lin.forward = torch.compile(lin.forward)
+    elif name == "fp8_mlp":
+        m = torch.compile(m)
+    return m
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="llama3_2_1b")
+    ap.add_argument("--tokens", default="16384,32768")
+    ap.add_argument("--recipes", default="rowwise")
+    ap.add_argument("--variants", default="bf16,bf16_compiled,fp8_eager,fp8_per_linear,fp8_mlp")
+    ap.add_argument("--reps", type=int, default=10)
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    (inter, hidden) = layer_linears(args.model)["gate"]
+    base = mlp(hidden, inter, device)
+    for s in (int(t) for t in args.tokens.split(",")):
+        x = torch.randn(s, hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
+        g = torch.randn(s, hidden, device=device, dtype=torch.bfloat16)
+        ref_out, ref_ms = None, None
+        for recipe in args.recipes.split(","):
+            for name in args.variants.split(","):
+                if name.startswith("bf16") and recipe != args.recipes.split(",")[0]:
+                    continue
+                torch._dynamo.reset()  # each variant compiles afresh: no shapes or dynamism from another variant
+                m = variant(base, name, recipe)
+
+                def step():
+                    x.grad = None
+                    for p in m.parameters():
+                        p.grad = None
+                    m(x).backward(g)
+                for _ in range(3):  # compile, autotune, warm
+                    step()
+                ms = statistics.median(timed(step, device) for _ in range(args.reps)) * 1e3
+                with torch.no_grad():
+                    out = m(x).float()
+                if name == "bf16":
+                    ref_out, ref_ms = out, ms
+                err = float((out - ref_out).norm() / ref_out.norm())
+                print(json.dumps({"bench": "fp8_mlp", "model": args.model, "tokens": s, "variant": name,
+                                  "recipe": recipe if name.startswith("fp8") else "-", "ms": round(ms, 3),
+                                  "speedup_vs_bf16": round(ref_ms / ms, 3), "rel_err_vs_bf16": float(f"{err:.3e}")}),
+                      flush=True)
+                del m
+
+
+if __name__ == "__main__":
+    main()
