@@ -79,8 +79,9 @@ def chunked_lm_loss_sum(lm_head: torch.nn.Module, hidden_BsH: torch.Tensor, labe
     """
     hidden_TH, labels_T = _tokens(hidden_BsH, labels_Bs, chunk_size)
     total = hidden_TH.new_zeros((), dtype=torch.float32)
-    for start in range(0, hidden_TH.shape[0], chunk_size):
-        h, y = hidden_TH[start:start + chunk_size], labels_T[start:start + chunk_size]
+    # split, not hidden_TH[start:start + C]: each slice's backward would write a zero [T, H] tensor around its chunk
+    # (T / C whole-tensor writes, quadratic in T); split's backward joins the chunks' gradients once
+    for h, y in zip(hidden_TH.split(chunk_size), labels_T.split(chunk_size)):
         if torch.is_grad_enabled():
             total = total + checkpoint(_chunk_ce_sum, lm_head, h, y, use_reentrant=False)
         else:

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from autograd_graph import graph_ops
 from cp_check import RTOL, assert_share_matches_unsplit, rel
 from cp_reference import cp_loss_and_grads
 from dist_harness import run_ranks
@@ -165,24 +166,12 @@ def test_chunked_delta_rule_is_the_recurrence(per_channel):
     assert rel(ref, hf_out.double()) < 1e-6
 
 
-def _graph_ops(out):
-    seen, todo, names = set(), [out.grad_fn], []
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        names.append(type(node).__name__)
-        todo.extend(n for n, _ in node.next_functions)
-    return names
-
-
 def test_the_chunk_loop_backward_is_linear_in_the_chunks():
     # each chunk taken out of the whole tensors by indexing (SelectBackward / SliceBackward: a zero tensor of the
     # whole input per chunk in backward) made the backward quadratic in S (12.7x the time for 4x the tokens at 128k
     # on an H200); the chunks come from unbind, whose backward stacks them once. 37 tokens in chunks of 8: 5 chunks
     out = chunked_delta_rule(*_rule_inputs(False), chunk=8)
-    ops = _graph_ops(out)
+    ops = graph_ops(out)
     assert ops.count("UnbindBackward0") == 6, ops
     # outside the loop: the last chunk's cumulative decay (G[..., -1:]) and the padding cut off the output ([:S])
     assert ops.count("SelectBackward0") == 0 and ops.count("SliceBackward0") == 2, sorted(ops)

@@ -3,6 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from autograd_graph import graph_ops
 from dist_harness import run_ranks
 from ds_ulysses_ext import IGNORE_INDEX, chunked_lm_loss_sum, cp_sum, init_topology
 from ds_ulysses_ext.loss import linear_cross_entropy_sum
@@ -29,6 +30,16 @@ def test_chunked_loss_equals_full_logits_loss(chunk):
     assert _rel(got, ref) < RTOL
     for g, r in zip(grads, ref_grads):
         assert _rel(g, r) < RTOL
+
+
+def test_the_chunk_loop_backward_joins_the_chunks_once():
+    # chunks sliced out of the whole [T, H] hidden states (SliceBackward: a zero [T, H] tensor per chunk in backward)
+    # would make the backward quadratic in T; split's backward joins the 6 chunks' gradients once
+    head = torch.nn.Linear(16, 50, bias=True)  # a head the fused loss does not take: this loop runs
+    got, _ = chunked_lm_loss_sum(head, torch.randn(2, 9, 16, requires_grad=True), torch.randint(0, 50, (2, 9)),
+                                 chunk_size=3)
+    ops = graph_ops(got)
+    assert ops.count("SliceBackward0") == 0 and ops.count("SplitBackward0") == 1, sorted(ops)
 
 
 @pytest.mark.parametrize("chunk", [1, 4, 100])
