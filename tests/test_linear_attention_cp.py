@@ -178,7 +178,7 @@ def test_the_chunk_loop_backward_is_linear_in_the_chunks():
 
 
 def test_documents_run_as_rows_of_their_own():
-    """A causal running sum per document, through the bucketed rows (docs padded to multiples of 4, two buckets),
+    """A causal running sum per document, through the bucketed rows (docs padded to multiples of 4: buckets of 4, 8, 12),
     against each document summed alone; gradients exact and zero for nothing."""
     cu = torch.tensor([0, 3, 8, 13, 14, 26], dtype=torch.int32)  # over 2 rows of 13: lengths 3 5 5 1 12
     x = torch.randn(2, 13, 2, dtype=torch.float64, requires_grad=True)
@@ -190,6 +190,10 @@ def test_documents_run_as_rows_of_their_own():
     (gx,) = torch.autograd.grad((out * w).sum(), x)
     (gr,) = torch.autograd.grad((ref * w).sum(), x)
     assert torch.allclose(gx, gr)
+    # the three buckets come from one gather (and go back through one): a gather per bucket would give each an
+    # index_add over all 26 tokens in backward
+    ops = graph_ops(out)
+    assert ops.count("IndexSelectBackward0") == 2 and ops.count("SplitWithSizesBackward0") == 1, sorted(ops)
 
 
 def test_each_rank_holds_its_heads_and_their_conv_channels():

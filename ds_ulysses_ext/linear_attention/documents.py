@@ -25,8 +25,10 @@ from ..attention.masks import _cached  # the per-batch plan cache the attention'
 
 
 class DocumentRows(NamedTuple):
-    # (L, idx [m*L] int64 into the flat tokens, pad [m*L] bool): the bucket's rows, pads reading their doc's tokens
-    buckets: list
+    lengths: list  # each bucket's padded row length L, in the order its rows sit in idx
+    sizes: list  # each bucket's m * L slots
+    idx: torch.Tensor  # [sum of sizes] int64 into the flat tokens: every bucket's rows, pads reading their doc's tokens
+    pad: torch.Tensor  # [sum of sizes] bool: the pad slots
     order: torch.Tensor  # [B*S] int64: where each token's output sits in the concatenated bucket outputs
 
 
@@ -38,7 +40,7 @@ def _plan(cu_seqlens: torch.Tensor, total: int, multiple: int, device) -> Docume
     for a, b in zip(bounds[:-1], bounds[1:]):
         if b > a:  # an empty document has no row
             by_length.setdefault(-(-(b - a) // multiple) * multiple, []).append((a, b))
-    buckets, tokens = [], []
+    lengths, idxs, pads, tokens = [], [], [], []
     for L, docs in sorted(by_length.items()):
         first = torch.tensor([a for a, _ in docs])[:, None]
         length = torch.tensor([b - a for a, b in docs])[:, None]
@@ -47,13 +49,16 @@ def _plan(cu_seqlens: torch.Tensor, total: int, multiple: int, device) -> Docume
         # the backward's index_add does not pile every pad onto one row
         idx = (first + slot % length).reshape(-1)
         pad = (slot >= length).reshape(-1)
-        buckets.append((L, idx.to(device), pad.to(device)))
+        lengths.append(L)
+        idxs.append(idx)
+        pads.append(pad)
         tokens.append(idx.masked_fill(pad, -1))
     tokens = torch.cat(tokens)
     real = tokens >= 0
     order = torch.empty(total, dtype=torch.long)
     order[tokens[real]] = torch.arange(len(tokens))[real]  # the documents partition the tokens: each set once
-    return DocumentRows(buckets, order.to(device))
+    return DocumentRows(lengths, [len(i) for i in idxs], torch.cat(idxs).to(device), torch.cat(pads).to(device),
+                        order.to(device))
 
 
 def per_document(fn: Callable[..., torch.Tensor], tensors: Sequence[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
@@ -67,16 +72,17 @@ def per_document(fn: Callable[..., torch.Tensor], tensors: Sequence[torch.Tensor
     B, S = tensors[0].shape[:2]
     plan = _cached(cu_seqlens, ("linear_rows", B * S, multiple, tensors[0].device),
                    lambda: _plan(cu_seqlens, B * S, multiple, tensors[0].device))
-    flat = [t.reshape(B * S, *t.shape[2:]) for t in tensors]
+    # one gather for every bucket, then split: a gather per bucket would give each its own index_add into a zero
+    # tensor of all B*S tokens in backward (as many whole-tensor writes as buckets, up to S / multiple of them);
+    # split's backward joins the buckets' gradients once. Pads are zeroed, not gathered from a zero row: the forward
+    # sees zeros and the tokens they read get exact zero gradients (masked_fill zeroes an inf too)
+    per_bucket = []
+    for t in tensors:
+        r = t.reshape(B * S, *t.shape[2:]).index_select(0, plan.idx)
+        per_bucket.append(r.masked_fill(plan.pad.view(-1, *([1] * (r.dim() - 1))), 0).split(plan.sizes))
     outs = []
-    for L, idx, pad in plan.buckets:
-        rows = []
-        for t in flat:
-            r = t.index_select(0, idx)
-            # zeroed, not gathered from a zero row: the forward sees zeros and the tokens the pads read get exact zero
-            # gradients (masked_fill zeroes an inf too)
-            rows.append(r.masked_fill(pad.view(-1, *([1] * (r.dim() - 1))), 0).unflatten(0, (-1, L)))
-        out = fn(*rows)
+    for L, rows in zip(plan.lengths, zip(*per_bucket)):
+        out = fn(*(r.unflatten(0, (-1, L)) for r in rows))
         outs.append(out.reshape(-1, *out.shape[2:]))
     out = torch.cat(outs) if len(outs) > 1 else outs[0]
     return out.index_select(0, plan.order).reshape(B, S, *out.shape[1:])
