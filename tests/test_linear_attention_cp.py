@@ -178,8 +178,8 @@ def test_the_chunk_loop_backward_is_linear_in_the_chunks():
 
 
 def test_documents_run_as_rows_of_their_own():
-    """A causal running sum per document, through the bucketed rows (docs padded to multiples of 4: buckets of 4, 8, 12),
-    against each document summed alone; gradients exact and zero for nothing."""
+    """A causal running sum per document, through the bucketed rows (docs padded to multiples of 4: buckets of 4, 8
+    and 12), against each document summed alone; gradients exact and zero for nothing."""
     cu = torch.tensor([0, 3, 8, 13, 14, 26], dtype=torch.int32)  # over 2 rows of 13: lengths 3 5 5 1 12
     x = torch.randn(2, 13, 2, dtype=torch.float64, requires_grad=True)
     out = per_document(lambda rows: rows.cumsum(1), [x], cu, multiple=4)
