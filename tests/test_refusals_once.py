@@ -75,6 +75,20 @@ def test_hydras_own_refusal_is_said_once_under_torchrun(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("rank, started, waits", [("1", False, True), ("1", True, False), ("0", False, False)])
+def test_other_ranks_wait_for_rank0_when_hydra_refuses(rank, started, waits):
+    # a rank that exits first makes the launcher stop rank 0 before it prints Hydra's error (seen under load: the
+    # user got only the launcher's ChildFailedError); other ranks wait for rank 0 when Hydra exits before our main
+    code = ("import atexit, sys, time; t = time.time(); "
+            "atexit.register(lambda: sys.__stdout__.write(f'{time.time() - t:.2f}')); "  # runs last (LIFO)
+            "from engine.run import refusal; refusal.RANK0_GRACE_S = 1.0; refusal.hush_other_ranks(); "
+            f"{'refusal.hydra_started(); ' if started else ''}sys.exit(1)")
+    env = {**os.environ, "RANK": rank}
+    env.pop("HYDRA_FULL_ERROR", None)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert (float(proc.stdout) >= 1.0) == waits, (proc.stdout, proc.stderr)
+
+
 def test_plan_says_a_wrong_preset_or_key_without_a_traceback(capsys):
     import plan
     for given, message in (("model=no_such_preset", "Could not find 'model/no_such_preset'"),

@@ -7,6 +7,7 @@ Hydra's own switch for the same thing).
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import io
 import os
@@ -15,6 +16,11 @@ import time
 
 REFUSED_EXIT = 2  # the run did not start (or resume), as configured
 STOPPED_EXIT = 1  # it started and stopped loudly (a non-finite step)
+# how long a rank other than 0 waits before it exits with a refusal rank 0 is saying: the launcher stops every rank
+# once one exits, so an early exit can cut rank 0 off before it prints (seen on a loaded 2-core machine: the user
+# got only the launcher's ChildFailedError). Once rank 0 has said it and exited, the launcher ends the wait at once
+RANK0_GRACE_S = 20.0
+_hydra_started = False
 
 
 class Refused(RuntimeError):
@@ -51,7 +57,7 @@ def reported(rank: int | None = None):
             print(f"{where}{'stopped' if stopped else 'refused'}: {err}\n(HYDRA_FULL_ERROR=1 shows the traceback of "
                   "each rank)", file=sys.stderr, flush=True)
         else:
-            time.sleep(1.0)  # the launcher stops every rank once one exits: rank 0 says it first
+            time.sleep(RANK0_GRACE_S)
         sys.exit(STOPPED_EXIT if stopped else REFUSED_EXIT)
 
 
@@ -60,7 +66,15 @@ def hush_other_ranks() -> None:
     override) is the same on every rank, and only rank 0's copy is shown. `hydra_started()` undoes it."""
     if rank_of_env() != 0 and not full_errors():
         sys.stderr = io.StringIO()
+        atexit.register(_wait_for_rank0_if_hydra_refused)
+
+
+def _wait_for_rank0_if_hydra_refused() -> None:
+    if not _hydra_started:  # Hydra exited before our main: rank 0 is printing the same error
+        time.sleep(RANK0_GRACE_S)
 
 
 def hydra_started() -> None:
+    global _hydra_started
+    _hydra_started = True
     sys.stderr = sys.__stderr__
