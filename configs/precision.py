@@ -26,7 +26,7 @@ FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 # q/k/v and o GEMMs ran 0.95x / 0.82x in FP8 at 16k tokens against bf16, gate+up and down 1.38x / 1.33x
 # (docs/precision.md); all-linears rowwise under full_recompute measured 0.93x bf16's step at 16k
 FP8_LINEARS = ("mlp", "all")
-FP8_COMPILE = ("auto", "true", "false")
+FP8_COMPILE = ("auto", "mlp", "linear", "false")
 
 
 @dataclass
@@ -36,8 +36,10 @@ class Fp8Config:
     # the one that equals cp=1's under CP (per-token scales); tensorwise's activation amax spans the local shard
     recipe: str = "tensorwise"
     linears: str = "mlp"
-    # the casts' amax and scale kernels compiled (torch.compile of each FP8 linear's forward): eager casts made FP8
-    # slower than bf16 on an H200 (docs/precision.md). auto: on CUDA; a CPU run (emulate_on_cpu) stays eager
+    # where the casts' amax and scale kernels are compiled: eager casts made FP8 slower than bf16 on an H200
+    # (docs/precision.md). mlp: each gated MLP as one region (one cast of x feeds gate and up; the activation fuses
+    # with down's input cast), each other FP8 linear alone, and every linear alone under ZeRO-3 on several ranks;
+    # linear: each FP8 linear's forward alone; false: eager. auto: mlp on CUDA; a CPU run (emulate_on_cpu) stays eager
     compile: str = "auto"
     # run the FP8 GEMMs through torch's CPU float8 matmul: slow and only for checking layouts on CPU (the tests do);
     # without it precision=fp8 on CPU is refused

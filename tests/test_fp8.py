@@ -72,7 +72,7 @@ def _fp8_names(model):
 
 def test_every_decoder_linear_and_nothing_else():
     model = _tiny()
-    report = apply_fp8(model, "rowwise", "all", compile_casts=False)
+    report = apply_fp8(model, "rowwise", "all", compile_casts="false")
     names = _fp8_names(model)
     assert len(names) == 14 and all(n.startswith("model.layers.") for n in names), names  # 7 per layer
     assert type(model.lm_head) is torch.nn.Linear  # outside the decoder: stays bf16
@@ -84,7 +84,7 @@ def test_every_decoder_linear_and_nothing_else():
 
 def test_mlp_only_keeps_attention_bf16_and_grouped():
     model = _tiny()
-    report = apply_fp8(model, "tensorwise", "mlp", compile_casts=False)
+    report = apply_fp8(model, "tensorwise", "mlp", compile_casts="false")
     assert {n.rsplit(".", 1)[-1] for n in _fp8_names(model)} == {"gate_proj", "up_proj", "down_proj"}
     assert report.bf16 == {n: "fp8.linears=mlp" for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
     assert bind_projection_groups(model) == 2  # q/k/v of each layer, still one node
@@ -93,17 +93,17 @@ def test_mlp_only_keeps_attention_bf16_and_grouped():
 def test_routers_experts_and_unaligned_linears_stay_bf16():
     # HF's Qwen3-MoE: its router and fused experts are parameters, not nn.Linear: attention alone runs in FP8
     model = _tiny("qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48)
-    report = apply_fp8(model, "rowwise", "all", compile_casts=False)
+    report = apply_fp8(model, "rowwise", "all", compile_casts="false")
     assert set(report.fp8) == {"q_proj", "k_proj", "v_proj", "o_proj"}, report
     # a router that is an nn.Linear (its aligned shape would otherwise qualify) stays bf16, by name
     model = _tiny()
     for name in ("gate", "router", "shared_expert_gate"):
         setattr(model.model.layers[0].mlp, name, torch.nn.Linear(64, 16, dtype=torch.bfloat16))
-    report = apply_fp8(model, "rowwise", "all", compile_casts=False)
+    report = apply_fp8(model, "rowwise", "all", compile_casts="false")
     assert all(report.bf16[n] == "router" for n in ("gate", "router", "shared_expert_gate")), report
     assert type(model.model.layers[0].mlp.router) is torch.nn.Linear
     model = _tiny(intermediate_size=120)  # 120 is not a multiple of 16
-    report = apply_fp8(model, "rowwise", "all", compile_casts=False)
+    report = apply_fp8(model, "rowwise", "all", compile_casts="false")
     assert report.bf16["gate_proj"] == "features not multiples of 16" and "gate_proj" not in report.fp8
 
 
@@ -113,7 +113,7 @@ def test_fp8_linear_runs_float8_and_tracks_bf16():
     model = _tiny()
     ref = _tiny()
     ref.load_state_dict(model.state_dict())
-    apply_fp8(model, "rowwise", "all", compile_casts=False)
+    apply_fp8(model, "rowwise", "all", compile_casts="false")
     ids = torch.randint(0, 128, (1, 48))
     out, want = model(ids, labels=ids), ref(ids, labels=ids)
     out.loss.backward()
@@ -195,11 +195,70 @@ def test_fp8_default_is_the_mlps(tmp_path):
     assert rows[0]["fp8"]["bf16_linears"] == {n: "fp8.linears=mlp" for n in ("k_proj", "o_proj", "q_proj", "v_proj")}
 
 
+# --- where the casts compile (fp8.compile) -----------------------------------------------------------------------------
+# dynamo with its eager backend: the regions are traced as on the GPU (the nested per-linear regions inlined into the
+# MLP's), then run op by op, so the values are the uncompiled model's; inductor's code is the GPU's to check
+
+def _eager_compile(calls):
+    def compile_fn(fn):
+        calls.append(getattr(fn, "__qualname__", repr(fn)))
+        return torch.compile(fn, backend="eager")
+    return compile_fn
+
+
+def _loss_and_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    return float(out.loss.detach()), {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("policy", ["none", "selective", "tiled"])
+def test_whole_mlp_regions_equal_eager_casts(policy):
+    from ds_ulysses_ext.memory.recompute import SelectiveRecompute
+    from ds_ulysses_ext.memory.tiling import TiledMLP
+    torch._dynamo.reset()
+    ids = torch.randint(0, 128, (1, 64), generator=torch.Generator().manual_seed(0))
+    ref, got = _tiny(), _tiny()
+    got.load_state_dict(ref.state_dict())
+    apply_fp8(ref, "tensorwise", "mlp", compile_casts="false")
+    calls = []
+    report = apply_fp8(got, "tensorwise", "mlp", compile_casts="mlp", compile_fn=_eager_compile(calls))
+    assert report.whole_mlps == 2 and report.as_dict()["compiled"] == "mlp", report
+    assert calls.count("LlamaMLP.forward") == 2 and len(calls) == 2 + 6, calls  # 2 MLP regions, 6 linears alone
+    assert all(hasattr(layer.mlp.forward, "act_mul") for layer in got.model.layers)
+    if policy != "none":  # the policies wrap the region's forward (selective: rewrites it around act_mul)
+        for m in (ref, got):
+            (SelectiveRecompute() if policy == "selective" else TiledMLP(tile_tokens=16)).apply(m)
+    loss_ref, grads_ref = _loss_and_grads(ref, ids)
+    loss, grads = _loss_and_grads(got, ids)
+    assert loss == pytest.approx(loss_ref, rel=1e-6)
+    assert grads.keys() == grads_ref.keys()
+    for n in grads:
+        assert _rel(grads[n].norm(), grads_ref[n].norm()) < 1e-5 and torch.equal(grads[n], grads_ref[n]), n
+
+
+def test_whole_mlp_regions_stay_off_under_zero3_and_per_linear():
+    # ZeRO-3's gather hooks sit on each linear's __call__: a region around the MLP would trace into them
+    for kwargs in (dict(compile_casts="mlp", partitioned=True), dict(compile_casts="linear")):
+        torch._dynamo.reset()
+        model, calls = _tiny(), []
+        report = apply_fp8(model, "tensorwise", "mlp", compile_fn=_eager_compile(calls), **kwargs)
+        assert report.whole_mlps == 0 and len(calls) == 6, (kwargs, calls)
+        assert all("forward" not in layer.mlp.__dict__ for layer in model.model.layers)
+    model = _tiny()
+    report = apply_fp8(model, "tensorwise", "mlp", compile_casts="mlp", partitioned=True,
+                       compile_fn=_eager_compile([]))
+    assert "ZeRO-3 partitions the weights" in str(report)
+    report = apply_fp8(_tiny(), "tensorwise", "mlp", compile_casts="false")
+    assert report.as_dict()["compiled"] == "false" and "casts eager" in str(report)
+
+
 def test_an_moe_model_without_dense_mlps_names_the_fix():
     # HF's Qwen3-MoE at 2 MoE layers: under the default fp8.linears=mlp nothing is left to convert
     model = _tiny("qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48)
     with pytest.raises(UnsupportedError, match=r"no decoder linear can run in FP8 .*set fp8.linears=all"):
-        apply_fp8(model, "rowwise", "mlp", compile_casts=False)
+        apply_fp8(model, "rowwise", "mlp", compile_casts="false")
 
 
 def test_fp8_ring_within_fp8s_distance_from_bf16(tmp_path):

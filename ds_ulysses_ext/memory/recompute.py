@@ -133,7 +133,7 @@ def _looks_gated(module: torch.nn.Module) -> bool:
     return all(hasattr(module, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn"))
 
 
-def _is_known_gated_mlp(module: torch.nn.Module) -> bool:
+def is_known_gated_mlp(module: torch.nn.Module) -> bool:
     cls = type(module)
     forward = cls.__dict__.get("forward")
     return ((cls.__module__, cls.__qualname__) in GATED_MLPS and forward is not None
@@ -186,7 +186,7 @@ class SelectiveRecompute(MemoryPolicy):
             if bound is not None:
                 self._wrap_forward(mlp, lambda _current, mlp=mlp, bound=bound: _selective_mlp_forward(mlp, bound))
                 self.num_mlps += 1
-            elif _is_known_gated_mlp(mlp):
+            elif is_known_gated_mlp(mlp):
                 self._wrap_forward(mlp, lambda _current, mlp=mlp: _selective_mlp_forward(mlp))
                 self.num_mlps += 1
             else:

@@ -132,8 +132,8 @@ def build(cfg: TrainConfig, plan: Plan, topo: Topology, device: torch.device, lo
             mark_expert_parallel(expert_parameters(hf), topo)  # before deepspeed.initialize partitions them
     fp8 = None
     if cfg.precision == "fp8":  # before the fused kernels: their projection groups take plain nn.Linear only
-        compile_casts = cfg.fp8.compile == "true" or (cfg.fp8.compile == "auto" and device.type == "cuda")
-        fp8 = apply_fp8(hf, cfg.fp8.recipe, cfg.fp8.linears, compile_casts)
+        compile_casts = cfg.fp8.compile if cfg.fp8.compile != "auto" else "mlp" if device.type == "cuda" else "false"
+        fp8 = apply_fp8(hf, cfg.fp8.recipe, cfg.fp8.linears, compile_casts, partitioned=stage == 3)
         log.info("%s", fp8)
     # before the memory policies: they wrap these forwards (a tiled MLP runs the fused product per tile)
     kernels = apply_fused_kernels(hf, cfg.model.kernels, device, loss_head=cfg.model.loss_head,
