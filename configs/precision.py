@@ -39,7 +39,8 @@ class Fp8Config:
     # where the casts' amax and scale kernels are compiled: eager casts made FP8 slower than bf16 on an H200
     # (docs/precision.md). mlp: each gated MLP as one region (one cast of x feeds gate and up; the activation fuses
     # with down's input cast), each other FP8 linear alone, and every linear alone under ZeRO-3 on several ranks;
-    # linear: each FP8 linear's forward alone; false: eager. auto: mlp on CUDA; a CPU run (emulate_on_cpu) stays eager
+    # linear: each FP8 linear's forward alone; false: eager. auto: on CUDA mlp for tensorwise and linear for the rowwise
+    # recipes (what measured faster for each: kernels/fp8.py resolve_compile); a CPU run (emulate_on_cpu) stays eager
     compile: str = "auto"
     # run the FP8 GEMMs through torch's CPU float8 matmul: slow and only for checking layouts on CPU (the tests do);
     # without it precision=fp8 on CPU is refused

@@ -254,6 +254,17 @@ def test_whole_mlp_regions_stay_off_under_zero3_and_per_linear():
     assert report.as_dict()["compiled"] == "false" and "casts eager" in str(report)
 
 
+def test_auto_compile_follows_the_recipe_and_device():
+    # the region measured faster than per-linear casts for tensorwise and slower for rowwise (one MLP, H200)
+    from ds_ulysses_ext.kernels.fp8 import resolve_compile
+    assert resolve_compile("auto", "tensorwise", "cuda") == "mlp"
+    assert resolve_compile("auto", "rowwise", "cuda") == "linear"
+    assert resolve_compile("auto", "rowwise_with_gw_hp", "cuda") == "linear"
+    assert resolve_compile("auto", "tensorwise", "cpu") == "false"
+    assert resolve_compile("mlp", "rowwise", "cuda") == "mlp"  # a setting by name is kept
+    assert resolve_compile("linear", "tensorwise", "cpu") == "linear"
+
+
 def test_an_moe_model_without_dense_mlps_names_the_fix():
     # HF's Qwen3-MoE at 2 MoE layers: under the default fp8.linears=mlp nothing is left to convert
     model = _tiny("qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48)

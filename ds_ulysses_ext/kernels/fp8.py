@@ -89,6 +89,18 @@ def check_fp8_device(device: torch.device, emulate_on_cpu: bool) -> None:
                                "'torchao==0.18.0' (the project's [fp8] extra), or set precision=bf16") from err
 
 
+def resolve_compile(setting: str, recipe: str, device_type: str) -> str:
+    """fp8.compile as the run uses it. `auto`: eager on the CPU; on CUDA the whole-MLP region for tensorwise and each
+    linear alone for the rowwise recipes. One MLP alone on an H200 (docs/benchmarks.md, 2026-12-04 late): the region
+    measured 1.04-1.13x the per-linear casts with tensorwise, and 0.89-0.94x with rowwise (why rowwise loses there
+    is not known)."""
+    if setting != "auto":
+        return setting
+    if device_type != "cuda":
+        return "false"
+    return "mlp" if recipe == "tensorwise" else "linear"
+
+
 def _why_bf16(leaf: str, module: torch.nn.Linear, linears: str) -> str:
     """'' when the linear runs in FP8, else the reason it stays bf16."""
     if leaf in ROUTER_NAMES:
