@@ -199,10 +199,10 @@ def test_fp8_default_is_the_mlps(tmp_path):
 # dynamo with its eager backend: the regions are traced as on the GPU (the nested per-linear regions inlined into the
 # MLP's), then run op by op, so the values are the uncompiled model's; inductor's code is the GPU's to check
 
-def _eager_compile(calls):
+def _eager_compile(calls, backend="eager"):
     def compile_fn(fn):
         calls.append(getattr(fn, "__qualname__", repr(fn)))
-        return torch.compile(fn, backend="eager")
+        return torch.compile(fn, backend=backend)
     return compile_fn
 
 
@@ -213,8 +213,12 @@ def _loss_and_grads(model, ids):
     return float(out.loss.detach()), {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("policy", ["none", "selective", "tiled"])
-def test_whole_mlp_regions_equal_eager_casts(policy):
+@pytest.mark.parametrize("policy, backend", [("none", "eager"), ("selective", "eager"), ("tiled", "eager"),
+                                             ("none", "aot_eager"), ("offload", "aot_eager")])
+def test_whole_mlp_regions_equal_eager_casts(policy, backend):
+    # aot_eager: the region as one autograd.Function, as inductor's is; the offload policy's saved-tensor hooks then
+    # pack what that function saves, at run time
+    from ds_ulysses_ext.memory.offload import OffloadActivations
     from ds_ulysses_ext.memory.recompute import SelectiveRecompute
     from ds_ulysses_ext.memory.tiling import TiledMLP
     torch._dynamo.reset()
@@ -223,15 +227,18 @@ def test_whole_mlp_regions_equal_eager_casts(policy):
     got.load_state_dict(ref.state_dict())
     apply_fp8(ref, "tensorwise", "mlp", compile_casts="false")
     calls = []
-    report = apply_fp8(got, "tensorwise", "mlp", compile_casts="mlp", compile_fn=_eager_compile(calls))
+    report = apply_fp8(got, "tensorwise", "mlp", compile_casts="mlp", compile_fn=_eager_compile(calls, backend))
     assert report.whole_mlps == 2 and report.as_dict()["compiled"] == "mlp", report
     assert calls.count("LlamaMLP.forward") == 2 and len(calls) == 2 + 6, calls  # 2 MLP regions, 6 linears alone
     assert all(hasattr(layer.mlp.forward, "act_mul") for layer in got.model.layers)
-    if policy != "none":  # the policies wrap the region's forward (selective: rewrites it around act_mul)
-        for m in (ref, got):
-            (SelectiveRecompute() if policy == "selective" else TiledMLP(tile_tokens=16)).apply(m)
+    policies = {"selective": SelectiveRecompute, "tiled": lambda: TiledMLP(tile_tokens=16),
+                "offload": lambda: OffloadActivations(min_bytes=0)}
+    # the policies wrap the region's forward (the selective one rewrites it around act_mul)
+    applied = [policies[policy]().apply(m) for m in (ref, got)] if policy != "none" else []
     loss_ref, grads_ref = _loss_and_grads(ref, ids)
     loss, grads = _loss_and_grads(got, ids)
+    if policy == "offload":  # the hooks really moved saved tensors, the region's among them
+        assert applied[1].stats["offloaded"] > 0, applied[1].stats
     assert loss == pytest.approx(loss_ref, rel=1e-6)
     assert grads.keys() == grads_ref.keys()
     for n in grads:
