@@ -253,10 +253,8 @@ def test_whole_mlp_regions_stay_off_under_zero3_and_per_linear():
         report = apply_fp8(model, "tensorwise", "mlp", compile_fn=_eager_compile(calls), **kwargs)
         assert report.whole_mlps == 0 and len(calls) == 6, (kwargs, calls)
         assert all("forward" not in layer.mlp.__dict__ for layer in model.model.layers)
-    model = _tiny()
-    report = apply_fp8(model, "tensorwise", "mlp", compile_casts="mlp", partitioned=True,
-                       compile_fn=_eager_compile([]))
-    assert "ZeRO-3 partitions the weights" in str(report)
+        if kwargs.get("partitioned"):
+            assert "ZeRO-3 partitions the weights" in str(report)
     report = apply_fp8(_tiny(), "tensorwise", "mlp", compile_casts="false")
     assert report.as_dict()["compiled"] == "false" and "casts eager" in str(report)
 

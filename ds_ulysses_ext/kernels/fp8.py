@@ -178,8 +178,5 @@ def _compile_whole_mlp(mlp: torch.nn.Module, compile_fn: Callable) -> None:
     `act_mul` tells the selective recompute which product to recompute (as kernels/bind.py's fused MLP does), and it
     then calls the projections itself, each compiled alone."""
     region = compile_fn(type(mlp).forward.__get__(mlp))
-
-    def forward(x):
-        return region(x)
-    forward.act_mul = lambda gate, up: mlp.act_fn(gate) * up
-    mlp.forward = forward
+    region.act_mul = lambda gate, up: mlp.act_fn(gate) * up
+    mlp.forward = region
