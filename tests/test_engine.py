@@ -8,6 +8,7 @@ every 4th sample, so chunks that hold only masked targets occur.
 """
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -102,15 +103,23 @@ def assert_matches_stock_hf(out, row1, overrides):
         assert float((diff * clear).max()) / ref["lr"] < ANCHOR["element_over_lr"], name
 
 
+# 3 steps, not BASE's 5: step 1 compares the forward and backward, steps 2 and 3 the updates after them (Adam's
+# first step, then one that reads its moments), so a layout that diverges anywhere shows by step 3. Each step at
+# world 4 is 1.3-2.6 s of the test's ~55 s on 2 cores
+LAYOUT_STEPS = 3
+
+
 @pytest.mark.parametrize("zero", ["zero3", "zero2"])
 def test_layouts_match_single_process(tmp_path, zero):
+    steps = [f"trainer.max_steps={LAYOUT_STEPS}"]
     world_1 = ["parallelism.cp=1", f"deepspeed={zero}", "deepspeed.stage3_param_persistence_threshold=0",
-               "trainer.save_every=1"] + WORLD_1[zero]
+               "trainer.save_every=1"] + WORLD_1[zero] + steps
     ref = train(tmp_path, "w1", 1, world_1)
-    assert len({r["loss"] for r in ref}) == 5  # the model trains: losses change every step
+    assert len({r["loss"] for r in ref}) == len(ref) == LAYOUT_STEPS  # the model trains: losses change every step
     assert_matches_stock_hf(tmp_path / "w1", ref[0], world_1)
     for name, (world, extra) in LAYOUTS.items():
-        got = train(tmp_path, name, world, extra + [f"deepspeed={zero}", "deepspeed.stage3_param_persistence_threshold=0"])
+        got = train(tmp_path, name, world,
+                    extra + [f"deepspeed={zero}", "deepspeed.stage3_param_persistence_threshold=0"] + steps)
         assert_same_trajectory(got, ref, f"{zero}/{name}")
 
 
@@ -203,27 +212,33 @@ def test_keep_checkpoints_keeps_the_newest_and_the_run_resumes_from_them(tmp_pat
 
 
 def test_resume_on_other_ranks_is_exact_or_refused_before_the_build(tmp_path):
-    ref = train(tmp_path, "ref", 2, ["parallelism.cp=2"])
-    extra = ["parallelism.cp=2", "trainer.save_every=2", "trainer.stop_after_steps=2"]
-    for name in ("moved", "grown", "shrunk"):
-        train(tmp_path, name, 2, extra)
-    train(tmp_path, "from_one", 1, ["parallelism.cp=1", "trainer.save_every=2", "trainer.stop_after_steps=2"])
+    # 4 steps, saved at 2: step 3 reads the loaded weights, step 4 the loaded optimizer (Adam's moments and step)
+    steps = ["trainer.max_steps=4"]
+    ref = train(tmp_path, "ref", 2, ["parallelism.cp=2"] + steps)
+    extra = ["parallelism.cp=2", "trainer.save_every=2", "trainer.stop_after_steps=2"] + steps
+    # the three resumes below start from the same 2-rank run: trained once, its run folder copied (the checkpoint
+    # holds no path of its folder; run.out_dir is not in the resume fingerprint)
+    train(tmp_path, "moved", 2, extra)
+    for name in ("grown", "shrunk"):
+        shutil.copytree(tmp_path / "moved", tmp_path / name)
+    train(tmp_path, "from_one", 1, ["parallelism.cp=1", "trainer.save_every=2", "trainer.stop_after_steps=2"] + steps)
     # the same 2 ranks at cp=1 x dp=2: DeepSpeed's state loads as saved, and the math does not depend on the layout
-    moved = train(tmp_path, "moved", 2, ["parallelism.cp=1"])
+    moved = train(tmp_path, "moved", 2, ["parallelism.cp=1"] + steps)
     assert_same_trajectory(moved, ref, "resumed at cp=1")
     # 4 ranks, ZeRO-3 on both sides: re-partitioned through DeepSpeed's universal checkpoint, then exact
-    grown = train(tmp_path, "grown", 4, ["parallelism.cp=2", "trainer.save_every=5"])
+    grown = train(tmp_path, "grown", 4, ["parallelism.cp=2", "trainer.save_every=4"] + steps)
     assert_same_trajectory(grown, ref, "resumed on 4 ranks")
     root = tmp_path / "grown" / "checkpoints"
     assert not (root / "universal").exists()  # the converted copy is deleted once loaded
-    assert json.loads((root / "step_00000005" / "optimizer_layout.json").read_text())["world_size"] == 4
+    assert json.loads((root / "step_00000004" / "optimizer_layout.json").read_text())["world_size"] == 4
     # a 1-rank run (ZeRO-2) onto 2 ranks (ZeRO-3): the same, through a ZeRO-2 -> ZeRO-3 universal folder
-    assert_same_trajectory(train(tmp_path, "from_one", 2, ["parallelism.cp=2"]), ref, "resumed from 1 rank on 2")
+    from_one = train(tmp_path, "from_one", 2, ["parallelism.cp=2"] + steps)
+    assert_same_trajectory(from_one, ref, "resumed from 1 rank on 2")
     # 1 rank runs ZeRO-2, which DeepSpeed's universal format does not load into: refused, before the build
     with pytest.raises(Exception, match=r"partitioned over 2 rank\(s\); this run has 1 rank\(s\) at ZeRO-2"):
-        train(tmp_path, "shrunk", 1, ["parallelism.cp=1"])
+        train(tmp_path, "shrunk", 1, ["parallelism.cp=1"] + steps)
     # the fix the refusal names: one rank with its parameters offloaded stays on ZeRO-3
-    shrunk = train(tmp_path, "shrunk", 1, ["parallelism.cp=1", "deepspeed.offload_param=true"])
+    shrunk = train(tmp_path, "shrunk", 1, ["parallelism.cp=1", "deepspeed.offload_param=true"] + steps)
     assert_same_trajectory(shrunk, ref, "resumed on 1 rank, ZeRO-3 with offloaded parameters")
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from test_moe_engine import assert_same, train
+from test_moe_engine import TRAJECTORY, assert_same, train
 
 LAYOUTS = {"w2_cp2_ep2": (2, ["parallelism.cp=2", "parallelism.ep=2"]),
            "w4_cp2_ep2_dp2": (4, ["parallelism.cp=2", "parallelism.ep=2"]),
@@ -18,11 +18,11 @@ RUNS = {"tiny_deepseek_v3": list(LAYOUTS), "tiny_glm4_moe_lite": ["w2_cp2_ep2", 
 
 @pytest.mark.parametrize("model", list(RUNS))
 def test_layouts_match_world_1(tmp_path, model):
-    ref = train(tmp_path, "w1", 1, [f"model={model}", "parallelism.cp=1"])
-    assert all(r["moe_aux_loss"] > 0 and r["moe_imbalance"] >= 1.0 for r in ref)
+    ref = train(tmp_path, "w1", 1, [f"model={model}", "parallelism.cp=1"] + TRAJECTORY)  # 3 steps: see TRAJECTORY
+    assert len(ref) == 3 and all(r["moe_aux_loss"] > 0 and r["moe_imbalance"] >= 1.0 for r in ref)
     for name in RUNS[model]:
         world, extra = LAYOUTS[name]
-        assert_same(train(tmp_path, name, world, [f"model={model}"] + extra), ref, f"{model} {name}")
+        assert_same(train(tmp_path, name, world, [f"model={model}"] + extra + TRAJECTORY), ref, f"{model} {name}")
 
 
 def test_bias_balance_and_export(tmp_path):

@@ -297,31 +297,56 @@ def _shell_argv(cmd: Command, replace: dict) -> list[str]:
     return [exe, cmd.script] + args
 
 
+def _start(argv, env):
+    return subprocess.Popen(argv, cwd=ROOT, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def _finish(proc, timeout):
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    argv = proc.args
+    assert proc.returncode == 0, f"{' '.join(argv)} exited {proc.returncode}:\n{stdout[-3000:]}\n{stderr[-3000:]}"
+    return stdout
+
+
 def _run(argv, env, timeout):
-    done = subprocess.run(argv, cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, f"{' '.join(argv)} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-    return done.stdout
+    return _finish(_start(argv, env), timeout)
 
 
 def test_readme_cpu_commands_run(tmp_path):
-    """The own-data line on a small train.jsonl, the export of its checkpoint, and the plan.py line, as written."""
+    """The own-data line on a small train.jsonl, the export of its checkpoint, and the plan.py line, as written.
+
+    plan.py depends on neither of the others: it starts first and runs beside them (about 7 s, most of it imports,
+    that would otherwise come after the export's); its output is checked at the end."""
     by_runner = {_runner(c): c for c in commands_of(README) if not c.gpu and not _ci_runs(c)}
     own, export, plan = by_runner["own_data"], by_runner["export_hf.py"], by_runner["plan.py"]
-    corpus = [json.loads(line)["text"] for line in (ROOT / "engine/demo_data/corpus.jsonl").read_text().splitlines()]
-    data = tmp_path / "train.jsonl"
-    data.write_text("".join(json.dumps({"text": corpus[i % len(corpus)]}) + "\n" for i in range(40)))
-    out_dir = tmp_path / "own_data"
-    path_arg = next(a for a in own.args if a.startswith("data.path="))
-    argv = _shell_argv(own, {path_arg: f"data.path={data}"}) + [f"run.out_dir={out_dir}"]
-    _run(argv, own.env, timeout=300)
-    metrics = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    assert any(m.get("step") == 20 for m in metrics), metrics[-1]
-    tag = os.readlink(out_dir / "checkpoints" / "latest") if (out_dir / "checkpoints" / "latest").is_symlink() \
-        else (out_dir / "checkpoints" / "latest").read_text().strip()
-    tag = Path(tag).name
-    run_arg = export.args[0]
-    tag_value = export.args[export.args.index("--tag") + 1]
-    printed = _run(_shell_argv(export, {run_arg: str(out_dir), tag_value: tag}), export.env, timeout=300)
-    assert (Path(printed.strip().splitlines()[-1]) / "config.json").is_file(), printed
-    table = _run(_shell_argv(plan, {}), plan.env, timeout=300)
+    planning = _start(_shell_argv(plan, {}), plan.env)
+    try:
+        corpus = [json.loads(line)["text"]
+                  for line in (ROOT / "engine/demo_data/corpus.jsonl").read_text().splitlines()]
+        data = tmp_path / "train.jsonl"
+        data.write_text("".join(json.dumps({"text": corpus[i % len(corpus)]}) + "\n" for i in range(40)))
+        out_dir = tmp_path / "own_data"
+        path_arg = next(a for a in own.args if a.startswith("data.path="))
+        argv = _shell_argv(own, {path_arg: f"data.path={data}"}) + [f"run.out_dir={out_dir}"]
+        _run(argv, own.env, timeout=300)
+        metrics = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+        assert any(m.get("step") == 20 for m in metrics), metrics[-1]
+        tag = os.readlink(out_dir / "checkpoints" / "latest") if (out_dir / "checkpoints" / "latest").is_symlink() \
+            else (out_dir / "checkpoints" / "latest").read_text().strip()
+        tag = Path(tag).name
+        run_arg = export.args[0]
+        tag_value = export.args[export.args.index("--tag") + 1]
+        printed = _run(_shell_argv(export, {run_arg: str(out_dir), tag_value: tag}), export.env, timeout=300)
+        assert (Path(printed.strip().splitlines()[-1]) / "config.json").is_file(), printed
+    except BaseException:  # the test fails before reading plan.py's output: stop it, not leave it running
+        planning.kill()
+        planning.communicate()
+        raise
+    table = _finish(planning, timeout=300)
     assert "<- chosen" in table and "no: host" not in table, table
