@@ -28,7 +28,8 @@ from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 from configs import compose_config, validate  # noqa: E402
 from configs.compose import check_overrides  # noqa: E402
 from configs.errors import ConfigError  # noqa: E402
-from engine.run.auto_memory import FIT_FRACTION, TIE_FRACTION, host_total_gib, plan_memory, refusal  # noqa: E402
+from engine.run.auto_memory import (FIT_FRACTION, TIE_FRACTION, host_total_gib, plan_caveats, plan_memory,  # noqa: E402
+                                    refusal)
 
 PLAN_KEYS = ("gpus", "gpus_per_node", "gpu_gib", "host_gib", "device")
 
@@ -67,6 +68,8 @@ def main(argv) -> int:
           f"{host_gib:.0f} GiB; ZeRO-{r.zero_stage}, master weights {r.master_weights}, attention {r.attn_backend}, "
           f"per-token kernels {r.kernels}")
     print(plan.table())
+    for caveat in plan_caveats(cfg):
+        print(f"note: {caveat}")
     if plan.choice is None:
         print(refusal(cfg, plan, gpus, on_gpu))
         return 1

@@ -17,7 +17,7 @@ from dist_harness import run_ranks
 import engine.run.auto_memory as auto_memory
 from ds_ulysses_ext.memory.planner import ModelShape, Policy, RunShape, _state_bytes, load_calibration, predict
 from engine.run.auto_memory import (FIT_FRACTION, TIE_FRACTION, apply_auto_memory, calibration_case, longest_fitting,
-                                    plan_memory, preset_fields)
+                                    plan_caveats, plan_memory, preset_fields)
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA_1B = ["model=llama3_2_1b", "data=synthetic", "precision=bf16", "parallelism.cp=1", "device=cuda"]
@@ -210,10 +210,22 @@ def test_plan_script_prints_the_table_and_the_choice():
     assert set(rows) == set(preset_fields())
     chosen = [name for name, line in rows.items() if line.endswith("<- chosen")]
     assert len(chosen) == 1 and lines[-1].startswith(f"memory=auto would choose memory={chosen[0]} ")
+    assert not any(line.startswith("note: ") for line in lines)  # a calibrated case: no caveat
     # too long for 8 GPUs: exit 1 with the longest that fits
     cmd[6:7] = ["data.seq_len=67108864", "model.arch.max_position_embeddings=67108864"]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert out.returncode == 1 and "the longest that fits is data.seq_len=" in out.stdout
+
+
+def test_caveats_name_what_the_calibration_lacks():
+    """FP8 runs and linear-attention layers have no calibration row: the log and plan.py say so; a calibrated run
+    gets no caveat."""
+    base = ["data=synthetic", "data.seq_len=32768", "parallelism.cp=1"]
+    assert plan_caveats(compose_config(["model=llama3_2_1b", "precision=bf16"] + base)) == []
+    fp8 = plan_caveats(compose_config(["model=llama3_2_1b", "precision=fp8"] + base))
+    assert len(fp8) == 1 and fp8[0].startswith("under precision=fp8 the planner's step model is bf16's"), fp8
+    hybrid = plan_caveats(compose_config(["model=qwen3_5_35b_a3b_4l", "precision=bf16"] + base))
+    assert len(hybrid) == 1 and "this model's 3 linear-attention layers have no calibration row" in hybrid[0], hybrid
 
 
 def _auto_run(rank, world, overrides, log_file):

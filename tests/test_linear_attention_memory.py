@@ -169,6 +169,9 @@ def test_plan_script_plans_a_hybrid():
                                                                                "full_recompute")]
     assert len(rows) == 3 and "refused" not in "".join(rows), out.stdout
     assert lines[-1].startswith("memory=auto would choose memory=")
+    # the step times are not calibrated for linear layers, and the output says so, naming how many
+    notes = [line for line in lines if line.startswith("note: ")]
+    assert len(notes) == 1 and "this model's 2 linear-attention layers have no calibration row" in notes[0], notes
 
 
 # --- memory.recompute=except_attention keeps the linear layers' cores
