@@ -178,13 +178,22 @@ def test_fp8_export_is_plain_bf16_hf(tmp_path):
     assert cfg["model_type"] == "llama"
 
 
+RECOMPUTE_COMMON = ["trainer.max_steps=2", "precision=bf16", "parallelism.cp=1"] + FP8 + ALL
+
+
+@pytest.fixture(scope="module")
+def fp8_without_recompute(tmp_path_factory):
+    """memory=none's FP8 trajectory, trained once for every preset compared with it."""
+    return train(tmp_path_factory.mktemp("fp8_none"), "none", 1, RECOMPUTE_COMMON)
+
+
 @pytest.mark.parametrize("preset", ["full_recompute", "except_attention", "selective", "offload", "except_attention_offload", "tiled", "long_context"])
-def test_fp8_under_recompute_equals_fp8_without(tmp_path, preset):
+def test_fp8_under_recompute_equals_fp8_without(tmp_path, fp8_without_recompute, preset):
     # a recomputed FP8 linear casts the same inputs with the same scales again, and an offloaded input comes back
     # unchanged: the trajectory is memory=none's (the tiled presets' tile, 8192 tokens, holds the whole row here)
-    common = ["trainer.max_steps=2", "precision=bf16", "parallelism.cp=1"] + FP8 + ALL
-    ref = train(tmp_path, "none", 1, common)
-    got = train(tmp_path, preset, 1, common + [f"memory={preset}"])
+    ref = fp8_without_recompute
+    got = train(tmp_path, preset, 1, RECOMPUTE_COMMON + [f"memory={preset}"])
+    assert len(got) == len(ref) == 2
     for g, r in zip(got, ref):
         assert _rel(g["loss"], r["loss"]) < 1e-6 and _rel(g["grad_norm"], r["grad_norm"]) < 1e-6, (preset, g, r)
 
