@@ -154,9 +154,10 @@ def test_fp8_layouts_agree_within_fp8s_distance_from_bf16(tmp_path, bf16_layouts
     assert _rel(fp8_2[0]["loss"], fp8_1[0]["loss"]) <= step1, (fp8_2[0]["loss"], fp8_1[0]["loss"], d1)
     d1_grad = _rel(fp8_1[0]["grad_norm"], bf16_1[0]["grad_norm"])
     assert _rel(fp8_2[0]["grad_norm"], fp8_1[0]["grad_norm"]) <= d1_grad, (fp8_2[0], fp8_1[0], d1_grad)
-    for step, (b1, b2, f1, f2) in enumerate(zip(bf16_1, bf16_2, fp8_1, fp8_2), 1):
-        bound = 5 * max(d1) + 2 * _rel(b2["loss"], b1["loss"])
-        assert _rel(f2["loss"], f1["loss"]) <= bound, (step, f1["loss"], f2["loss"], d1)
+    # no bf16 layout term here (a layout bug would widen it as much as it moves the FP8 layouts); measured: the
+    # bf16 layouts 0.4-1.7e-4 apart, the FP8 ones at most 6.7e-4 against a bound of 1.3e-3 (rowwise), 3.7e-3
+    for step, (f1, f2) in enumerate(zip(fp8_1, fp8_2), 1):
+        assert _rel(f2["loss"], f1["loss"]) <= 5 * max(d1), (step, f1["loss"], f2["loss"], d1)
 
 
 def test_fp8_default_recipe_is_tensorwise():
