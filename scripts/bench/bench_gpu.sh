@@ -141,7 +141,8 @@
 #   bg_1m_wait   wait up to $WAIT_S (default 570) s for that run, then pack it into $OUT (scripts/bench/bench_bg.sh wait);
 #                call it again in the next command if it is still running (the machine must stay warm between)
 # Needs: .whl/ (DeepSpeed 0.19.8 + hjson, pydantic(-core), annotated-types, typing-inspection, hydra-core,
-# omegaconf, antlr4 wheels) and .bench/anchor-bench; results under $OUT (default outputs/bench).
+# omegaconf, antlr4 wheels), .lig/ (Liger-Kernel 0.8.5, where the image lacks it) and .bench/anchor-bench; results
+# under $OUT (default outputs/bench).
 # FA4 inputs (ignored folders), rebuilt on a machine with PyPI: in .fa4w/, `pip download --no-deps
 # --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --pre` of
 # flash-attn-4==4.0.0b36 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1

@@ -6,5 +6,10 @@ SITE=${BENCH_SITE:-/tmp/site}
 if [ -d .whl ] && [ ! -d "$SITE/deepspeed" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
 fi
+# Liger-Kernel (the anchors' --liger and our model.kernels=liger): the device image of 2026-12-06 had none, so it is
+# carried too, in .lig/ (`pip download --no-deps liger-kernel==0.8.5`)
+if [ -d .lig ] && [ ! -d "$SITE/liger_kernel" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" .lig/*.whl
+fi
 # a --target install skips .pth files: add nvidia_cutlass_dsl's (FA4, bench_gpu.sh site_fa4) by hand
 export PYTHONPATH=$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
