@@ -278,8 +278,8 @@ def plan_caveats(cfg: TrainConfig) -> list[str]:
     linear = model_shape(cfg).linear_layers
     if linear:
         caveats.append(f"this model's {linear} linear-attention layers have no calibration row: their recurrence's "
-                       "time is costed at the dense matmul rate, and measured steps took about 4x the predicted "
-                       "time (Qwen3.5-35B-A3B x 4 on an H100 at 81,920 tokens: 5.27 s against 1.3 s; the peak "
+                       "time is costed at the dense matmul rate, and the step measured against it took 4x the "
+                       "prediction (Qwen3.5-35B-A3B x 4 on an H100 at 81,920 tokens: 5.27 s against 1.3 s; its peak "
                        "within 6%, docs/linear_attention.md); read the step times as a lower bound")
     return caveats
 
