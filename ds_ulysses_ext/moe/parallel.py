@@ -135,21 +135,30 @@ DEEPSEEK_MOE_FAMILIES = ("deepseek_v3", "glm4_moe_lite", "glm4_moe")
 QWEN3_NEXT_MOE_FAMILIES = ("qwen3_next", "qwen3_5_moe_text")
 
 
+# (module, class) of each HF MoE block we replace. A family newer than the installed transformers has no module there,
+# and its model cannot be built either, so its block is skipped rather than failing every MoE run (the GPU image of
+# 2026-12-06 ships transformers 5.17, which lacks bailing_hybrid).
+_HF_MOE_BLOCKS = (
+    ("qwen3_moe", "Qwen3MoeSparseMoeBlock"), ("gpt_oss", "GptOssMLP"), ("deepseek_v3", "DeepseekV3MoE"),
+    ("glm4_moe", "Glm4MoeMoE"), ("glm4_moe_lite", "Glm4MoeLiteMoE"), ("mistral4", "Mistral4MoE"),
+    ("cohere2_moe", "Cohere2MoeSparseMoeBlock"), ("qwen3_vl_moe", "Qwen3VLMoeTextSparseMoeBlock"),
+    ("qwen3_next", "Qwen3NextSparseMoeBlock"), ("qwen3_5_moe", "Qwen3_5MoeSparseMoeBlock"),
+    ("bailing_hybrid", "BailingHybridMoE"))
+
+
 def _hf_moe_classes() -> tuple:
-    from transformers.models.cohere2_moe.modeling_cohere2_moe import Cohere2MoeSparseMoeBlock
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
-    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeMoE
-    from transformers.models.glm4_moe_lite.modeling_glm4_moe_lite import Glm4MoeLiteMoE
-    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts, GptOssMLP
-    from transformers.models.mistral4.modeling_mistral4 import Mistral4MoE
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
-    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeTextSparseMoeBlock
-    from transformers.models.bailing_hybrid.modeling_bailing_hybrid import BailingHybridMoE
-    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock
-    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMoeBlock
-    return (Qwen3MoeSparseMoeBlock, GptOssMLP, DeepseekV3MoE, Glm4MoeMoE, Glm4MoeLiteMoE, Mistral4MoE,
-            Cohere2MoeSparseMoeBlock, Qwen3VLMoeTextSparseMoeBlock, Qwen3NextSparseMoeBlock, Qwen3_5MoeSparseMoeBlock,
-            BailingHybridMoE), GptOssExperts
+    import importlib
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+    blocks = []
+    for family, name in _HF_MOE_BLOCKS:
+        try:
+            module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+        except ModuleNotFoundError as e:
+            if not f"transformers.models.{family}.modeling_{family}".startswith(e.name or "\0"):
+                raise  # the family is there but something it imports is not: say so
+            continue
+        blocks.append(getattr(module, name))
+    return tuple(blocks), GptOssExperts
 
 
 def replace_hf_blocks(model, expert_bias: bool = False) -> int:

@@ -39,6 +39,7 @@ from ..observe.oom import oom_advice
 from ..observe.plot import plot_loss
 from ..observe.profile import maybe_profile
 from ..observe.tracking import Tracker
+from ..observe.versions import installed, pinned, version_warning
 from . import folder
 from .evaluate import eval_set, evaluate
 from .retrieval import log_retrieval
@@ -51,6 +52,11 @@ def train(cfg: TrainConfig, plan: Plan, rt: Runtime) -> dict:
     out_dir = Path(cfg.run.out_dir)
     check_snapshot_device(cfg.logging.memory_snapshot_step, rt.device)  # before anything is built
     topo = init_topology(plan.cp, plan.ep, plan.ring)
+    if rt.is_main:
+        libraries = installed()
+        log.info("libraries: %s", ", ".join(f"{k} {v}" for k, v in libraries.items()))
+        if (mismatch := version_warning(libraries, pinned())):
+            log.warning(mismatch)
     if rt.is_main and plan.cp > 1:
         log.info("cp layout: ring=%d (Ulysses groups of %d): %s", plan.ring, plan.cp // plan.ring, plan.ring_reason)
     placement = cp_placement_warning(cp_group_node_spans(plan.world_size, plan.cp), plan.cp)

@@ -60,7 +60,8 @@
 #                control against the eager one (max, mean, last absolute difference); $OUT/track_loss_<run>.jsonl
 #   moe_equal    the 4-layer Qwen3-30B-A3B shape at HF + Liger's memory (docs/benchmarks.md AW): ours with deepspeed=zero0,
 #                bf16 master weights, the optimizer step in backward and $MOE_EQ_BACKEND (default fa4: after the FA4 recipe's
-#                site_fa4 site_cu13), 16k `none` and 32k `none` with moe.recompute=experts, then HF + Liger at both
+#                site_fa4 site_cu13), 16k `none` and 32k `none` with moe.recompute=experts, then HF + Liger on the same
+#                attention backend (checkpointed; $MOE_ANCHOR_ARGS more anchor arguments, e.g. --no-ckpt) at both
 #                lengths in the same call (about 5.5 min on a machine kept warm; give a fresh one the whole 10 minutes)
 #   dense_equal  the Llama-3.2-1B shape against HF + Liger as docs/benchmarks.md BB measured it: ours with deepspeed=zero0,
 #                bf16 master weights, the optimizer step in backward and FA4 (after the FA4 recipe's site_fa4 site_cu13),
@@ -230,8 +231,8 @@ for name, a in zip(('liger', 'control'), runs):
                  | grep RESULT | cut -c1-1200
                python3 scripts/bench/bench_train.py --model qwen3_30b_a3b_4l --points 32768:none --steps 4 $C moe.recompute=experts \
                  --deepspeed zero0 | grep RESULT | cut -c1-1200
-               python3 -u .bench/anchor-bench/moe_model_bench.py --seqs 16384,32768 --layers 4 --liger 2>&1 \
-                 | grep RESULT | tee "$OUT/moe_equal_hf_liger.jsonl" ;;
+               python3 -u .bench/anchor-bench/moe_model_bench.py --seqs 16384,32768 --layers 4 --liger \
+                 --attn ${MOE_EQ_BACKEND:-fa4} ${MOE_ANCHOR_ARGS:-} 2>&1 | grep RESULT | tee -a "$OUT/moe_equal_hf_liger.jsonl" ;;
     dense_equal) C="deepspeed.master_weights=bf16 model.kernels=liger trainer.grad_clip=0 trainer.optimizer_in_backward=true"
                  C="$C model.attn_backend=fa4"
                  python3 scripts/bench/bench_train.py --steps 5 --no-phase-times --points 16384:none,32768:none,65536:none $C \
