@@ -139,7 +139,9 @@ def test_fp8_layouts_agree_within_fp8s_distance_from_bf16(tmp_path, bf16_layouts
     # cp=2 under ZeRO-3 against world 1 in FP8, bounded by FP8's own distance from bf16 at world 1 (d1):
     # - step 1's loss is the forward alone. Rowwise's forward scales are per token: the layouts agree there as
     #   closely as bf16's do. Tensorwise's activation scale is the amax of the tokens a rank holds: within d1;
-    # - step 1's gradient norm: within d1 there (the backward's scales span the tokens a rank holds);
+    # - step 1's gradient norm: within sqrt(2) d1 there (the backward's scales span the tokens a rank holds, so each
+    #   layout rounds about d1 from bf16, independently; measured: up to 1.01 d1 on an AVX-512 machine on 2026-12-06,
+    #   where a 1.05x error in the attention output at cp=2 gave 1.53 d1 rowwise and 2.46 d1 tensorwise);
     # - the later steps compound that: their losses within 5x the run's largest d1 (measured here: 2.5x rowwise).
     bf16_1, bf16_2 = bf16_layouts
     common = ["trainer.max_steps=3", "precision=bf16", f"fp8.recipe={recipe}"]
@@ -153,7 +155,7 @@ def test_fp8_layouts_agree_within_fp8s_distance_from_bf16(tmp_path, bf16_layouts
     step1 = max(2 * bf16_layout_1, 1e-6) if recipe == "rowwise" else d1[0] + 2 * bf16_layout_1
     assert _rel(fp8_2[0]["loss"], fp8_1[0]["loss"]) <= step1, (fp8_2[0]["loss"], fp8_1[0]["loss"], d1)
     d1_grad = _rel(fp8_1[0]["grad_norm"], bf16_1[0]["grad_norm"])
-    assert _rel(fp8_2[0]["grad_norm"], fp8_1[0]["grad_norm"]) <= d1_grad, (fp8_2[0], fp8_1[0], d1_grad)
+    assert _rel(fp8_2[0]["grad_norm"], fp8_1[0]["grad_norm"]) <= 2 ** 0.5 * d1_grad, (fp8_2[0], fp8_1[0], d1_grad)
     # no bf16 layout term here (a layout bug would widen it as much as it moves the FP8 layouts); measured: the
     # bf16 layouts 0.4-1.7e-4 apart, the FP8 ones at most 6.7e-4 against a bound of 1.3e-3 (rowwise), 3.7e-3
     for step, (f1, f2) in enumerate(zip(fp8_1, fp8_2), 1):

@@ -122,6 +122,17 @@ def test_the_check_cut_keeps_a_document_start():
 
 # --- the layer's fla branch and the first-use check, with injected kernels ------------------------------------------
 
+# The gated DeltaNet's per-head decay parameters: each gradient is 4 numbers (one per head here), a sum over every
+# token with terms of both signs, about a thousandth of its terms' size. The same fp32 rounding of a reordered sum is
+# then a larger share of it: 1.26e-5 relative for dt_bias on an AVX-512 machine (2026-12-06) where the other
+# parameters stayed under 4e-6. They get 10x the others' bound; an error in the path is O(1e-2) or more.
+PER_HEAD_DECAY = ("dt_bias", "A_log")
+
+
+def _grad_bound(name: str, bound: float) -> float:
+    return 10 * bound if name.endswith(PER_HEAD_DECAY) else bound
+
+
 def _per_document_recurrence(q, k, v, g, beta, cu, cu_host):
     """A stand-in for fla: the token-by-token definition (delta_rule.py) on each document of the flat batch."""
     b = cu_host.tolist()
@@ -164,7 +175,7 @@ def test_the_fla_branch_with_a_right_kernel_matches_the_torch_path(family):
     assert calls and calls[-1] == starts  # the run's own call; the check's cut (the whole 26 tokens here) first
     assert rel(loss, ref_loss) < 1e-6
     for name, g in grads.items():
-        assert rel(g, ref_grads[name]) < 1e-5, name
+        assert rel(g, ref_grads[name]) < _grad_bound(name, 1e-5), name
 
 
 @pytest.mark.parametrize("wrong,what", [(_ignores_documents, "output"), (_wrong_backward, "beta's gradient")])
@@ -202,7 +213,7 @@ def test_a_kernel_that_cannot_run_leaves_auto_on_torch_and_stops_fla(caplog):
         loss, grads = _packed_run("auto", lambda kind: _cannot_run)
     assert "the torch delta rule (model.linear_attn_kernel=auto: fla's gated_deltanet kernel fails" in caplog.text
     ref_loss, ref_grads = _packed_run("torch")
-    assert rel(loss, ref_loss) < 1e-7 and all(rel(g, ref_grads[n]) < 1e-6 for n, g in grads.items())
+    assert rel(loss, ref_loss) < 1e-7 and all(rel(g, ref_grads[n]) < _grad_bound(n, 1e-6) for n, g in grads.items())
     with pytest.raises(RuntimeError, match=r"fails on the run's input .*Triton refuses this GPU.*set "
                                            r"model\.linear_attn_kernel=torch"):
         _packed_run("fla", lambda kind: _cannot_run)
