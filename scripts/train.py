@@ -50,6 +50,10 @@ def run(cfg: TrainConfig) -> dict:
     plan = validate(cfg, rt.world_size)  # every cross-field check, before any model is loaded
     logging.basicConfig(level=logging.INFO if rt.is_main else logging.WARNING,
                         format=f"[rank{rt.rank}] %(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    if cfg.precision != "fp8":
+        # transformers imports torchao wherever it is installed (its quantizer registry), and torchao's import warns
+        # about its CUDA-only extensions ("Failed to load ... _C_mxfp8" on CPU): noise to a run that does not use it
+        logging.getLogger("torchao").setLevel(logging.ERROR)
     if rt.device.type == "cuda" and cfg.memory.expandable_segments:
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # before the first allocation
     if cfg.memory.auto:  # before anything is built: predict every preset, run the fastest that fits (or refuse)

@@ -302,7 +302,7 @@ def _start(argv, env):
                             text=True)
 
 
-def _finish(proc, timeout):
+def _finish(proc, timeout, want_stderr=False):
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -311,7 +311,7 @@ def _finish(proc, timeout):
         raise
     argv = proc.args
     assert proc.returncode == 0, f"{' '.join(argv)} exited {proc.returncode}:\n{stdout[-3000:]}\n{stderr[-3000:]}"
-    return stdout
+    return (stdout, stderr) if want_stderr else stdout
 
 
 def _run(argv, env, timeout):
@@ -334,7 +334,10 @@ def test_readme_cpu_commands_run(tmp_path):
         out_dir = tmp_path / "own_data"
         path_arg = next(a for a in own.args if a.startswith("data.path="))
         argv = _shell_argv(own, {path_arg: f"data.path={data}"}) + [f"run.out_dir={out_dir}"]
-        _run(argv, own.env, timeout=300)
+        _, log = _finish(_start(argv, own.env), timeout=300, want_stderr=True)
+        # a bf16 run: torchao, which transformers imports wherever it is installed, stays quiet (its import warns
+        # "Failed to load" about CUDA-only extensions on CPU, which reads as our failure to a newcomer)
+        assert "torchao" not in log, [line for line in log.splitlines() if "torchao" in line]
         metrics = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
         assert any(m.get("step") == 20 for m in metrics), metrics[-1]
         tag = os.readlink(out_dir / "checkpoints" / "latest") if (out_dir / "checkpoints" / "latest").is_symlink() \
