@@ -257,6 +257,25 @@ def test_whole_mlp_regions_equal_eager_casts(policy, backend):
         assert _rel(grads[n].norm(), grads_ref[n].norm()) < 1e-5 and torch.equal(grads[n], grads_ref[n]), n
 
 
+def test_whole_mlp_regions_beside_attention_linears_in_fp8():
+    # fp8.linears=all with fp8.compile=mlp: each MLP one region, attention's four projections each compiled alone;
+    # the values those of the eager casts
+    torch._dynamo.reset()
+    ids = torch.randint(0, 128, (1, 64), generator=torch.Generator().manual_seed(1))
+    ref, got = _tiny(), _tiny()
+    got.load_state_dict(ref.state_dict())
+    apply_fp8(ref, "tensorwise", "all", compile_casts="false")
+    calls = []
+    report = apply_fp8(got, "tensorwise", "all", compile_casts="mlp", compile_fn=_eager_compile(calls, "aot_eager"))
+    assert report.whole_mlps == 2 and set(report.fp8) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                          "up_proj", "down_proj"}, report
+    assert calls.count("LlamaMLP.forward") == 2 and len(calls) == 2 + 14, calls  # 2 regions, 7 linears x 2 layers
+    loss_ref, grads_ref = _loss_and_grads(ref, ids)
+    loss, grads = _loss_and_grads(got, ids)
+    assert loss == pytest.approx(loss_ref, rel=1e-6)
+    assert grads.keys() == grads_ref.keys() and all(torch.equal(grads[n], grads_ref[n]) for n in grads)
+
+
 def test_whole_mlp_regions_stay_off_under_zero3_and_per_linear():
     # ZeRO-3's gather hooks sit on each linear's __call__: a region around the MLP would trace into them
     for kwargs in (dict(compile_casts="mlp", partitioned=True), dict(compile_casts="linear")):
