@@ -225,6 +225,19 @@ def _loss_and_grads(model, ids):
     return float(out.loss.detach()), {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def _eager_and_regions(linears: str, backend: str, seed: int):
+    """Two copies of the tiny model in tensorwise FP8: `ref` with eager casts, `got` with fp8.compile=mlp through
+    `backend`; the compiled functions' names collect in `calls`."""
+    torch._dynamo.reset()
+    ids = torch.randint(0, 128, (1, 64), generator=torch.Generator().manual_seed(seed))
+    ref, got = _tiny(), _tiny()
+    got.load_state_dict(ref.state_dict())
+    apply_fp8(ref, "tensorwise", linears, compile_casts="false")
+    calls = []
+    report = apply_fp8(got, "tensorwise", linears, compile_casts="mlp", compile_fn=_eager_compile(calls, backend))
+    return ids, ref, got, calls, report
+
+
 @pytest.mark.parametrize("policy, backend", [("none", "eager"), ("selective", "eager"), ("tiled", "eager"),
                                              ("none", "aot_eager"), ("offload", "aot_eager")])
 def test_whole_mlp_regions_equal_eager_casts(policy, backend):
@@ -233,13 +246,7 @@ def test_whole_mlp_regions_equal_eager_casts(policy, backend):
     from ds_ulysses_ext.memory.offload import OffloadActivations
     from ds_ulysses_ext.memory.recompute import SelectiveRecompute
     from ds_ulysses_ext.memory.tiling import TiledMLP
-    torch._dynamo.reset()
-    ids = torch.randint(0, 128, (1, 64), generator=torch.Generator().manual_seed(0))
-    ref, got = _tiny(), _tiny()
-    got.load_state_dict(ref.state_dict())
-    apply_fp8(ref, "tensorwise", "mlp", compile_casts="false")
-    calls = []
-    report = apply_fp8(got, "tensorwise", "mlp", compile_casts="mlp", compile_fn=_eager_compile(calls, backend))
+    ids, ref, got, calls, report = _eager_and_regions("mlp", backend, seed=0)
     assert report.whole_mlps == 2 and report.as_dict()["compiled"] == "mlp", report
     assert calls.count("LlamaMLP.forward") == 2 and len(calls) == 2 + 6, calls  # 2 MLP regions, 6 linears alone
     assert all(hasattr(layer.mlp.forward, "act_mul") for layer in got.model.layers)
@@ -260,13 +267,7 @@ def test_whole_mlp_regions_equal_eager_casts(policy, backend):
 def test_whole_mlp_regions_beside_attention_linears_in_fp8():
     # fp8.linears=all with fp8.compile=mlp: each MLP one region, attention's four projections each compiled alone;
     # the values those of the eager casts
-    torch._dynamo.reset()
-    ids = torch.randint(0, 128, (1, 64), generator=torch.Generator().manual_seed(1))
-    ref, got = _tiny(), _tiny()
-    got.load_state_dict(ref.state_dict())
-    apply_fp8(ref, "tensorwise", "all", compile_casts="false")
-    calls = []
-    report = apply_fp8(got, "tensorwise", "all", compile_casts="mlp", compile_fn=_eager_compile(calls, "aot_eager"))
+    ids, ref, got, calls, report = _eager_and_regions("all", "aot_eager", seed=1)
     assert report.whole_mlps == 2 and set(report.fp8) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                           "up_proj", "down_proj"}, report
     assert calls.count("LlamaMLP.forward") == 2 and len(calls) == 2 + 14, calls  # 2 regions, 7 linears x 2 layers
