@@ -103,7 +103,8 @@
 #                `stage:minutes` (default "256:1.5 1k:2.3 32k:4"; then "128k:3.2" in a second call, as the
 #                machine keeps outputs/ while warm), experiment=llama1b_1gpu_passkey_<stage> cut by
 #                trainer.max_minutes, each reading the previous stage's export; $PK_ARGS: more overrides for every
-#                stage. Each stage's metrics.jsonl, retrieval.json and .png go to $OUT as one tar (fewer files);
+#                stage; $PK_TAG: a suffix to every stage's run name, each stage reading the tagged previous
+#                stage's export (a second chain beside the first, e.g. PK_TAG=_fp8 PK_ARGS=precision=fp8). Each stage's metrics.jsonl, retrieval.json and .png go to $OUT as one tar (fewer files);
 #                a stage that fails stops the chain (the next would read a missing or an earlier call's export)
 #   hybrid_train training steps of a reduced-depth hybrid linear-attention shape, $HYB_MODEL (default qwen3_5_35b_a3b_4l:
 #                Qwen3.5-35B-A3B's first 4 layers; qwen3_5_9b_4l: the dense Qwen3.5-9B's): ours ($HYB_POINTS, S:memory,
@@ -288,16 +289,21 @@ for name, a in zip(('liger', 'control'), runs):
     attn_features) python3 scripts/bench/bench_attn_features.py --parts "${ATTN_PARTS:-ring,window}" --check --budget-s 15 ${ATTN_ARGS:-} \
                      --out "$OUT/attn_features.jsonl" ;;
     pack_sft) python3 scripts/bench/bench_packing.py ${PACK_ARGS:-} ;;
-    passkey) for st in ${PK_STAGES:-256:1.5 1k:2.3 32k:4}; do
-               name=llama1b_1gpu_passkey_${st%%:*}
-               python3 -m torch.distributed.run --standalone --nproc_per_node=1 scripts/train.py experiment=$name \
-                 trainer.max_minutes=${st##*:} logging.progress_bar=false ${PK_ARGS:-} > "$OUT/$name.log" 2>&1
+    passkey) prev=""
+             for st in ${PK_STAGES:-256:1.5 1k:2.3 32k:4}; do
+               exp=llama1b_1gpu_passkey_${st%%:*}; name=$exp${PK_TAG:-}
+               # with a tag, each stage after the first reads the tagged chain's previous export, not the plain one's
+               from=${PK_TAG:+${prev:+model.path=outputs/$prev/hf_export}}
+               python3 -m torch.distributed.run --standalone --nproc_per_node=1 scripts/train.py experiment=$exp \
+                 run.name=$name $from trainer.max_minutes=${st##*:} logging.progress_bar=false ${PK_ARGS:-} \
+                 > "$OUT/$name.log" 2>&1
                rc=$?; echo "$name rc=$rc"; grep -h '"retrieval_acc"' outputs/$name/metrics.jsonl | cut -c1-120 | tail -3
                tar cf "$OUT/$name.tar" -C outputs $name/metrics.jsonl $name/retrieval.json $name/retrieval.png \
                  $name/config.json 2>/dev/null
                # the next stage reads this one's export: after a failure it would train from a missing one or, on
                # a warm machine, from an earlier call's
                [ $rc -eq 0 ] || { echo "passkey: $name failed (rc=$rc, $OUT/$name.log); later stages not run"; break; }
+               prev=$name
              done ;;
     gpu_tests) { python3 -m pytest -q -rs -p no:cacheprovider tests/test_gpu_exactness.py tests/test_gpu_paths.py tests/test_gpu_loss_head.py \
                    tests/test_gpu_moe_kernels.py tests/test_gpu_projections.py tests/test_gpu_offload.py

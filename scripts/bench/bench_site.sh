@@ -11,5 +11,10 @@ fi
 if [ -d .lig ] && [ ! -d "$SITE/liger_kernel" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" .lig/*.whl
 fi
+# torchao (precision=fp8 and the anchors' --fp8), carried in .tao/ (`pip download --no-deps torchao==0.18.0`) where the
+# image lacks it
+if [ -d .tao ] && [ ! -d "$SITE/torchao" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" .tao/*.whl
+fi
 # a --target install skips .pth files: add nvidia_cutlass_dsl's (FA4, bench_gpu.sh site_fa4) by hand
 export PYTHONPATH=$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
