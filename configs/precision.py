@@ -27,6 +27,7 @@ FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 # (docs/precision.md); all-linears rowwise under full_recompute measured 0.93x bf16's step at 16k
 FP8_LINEARS = ("mlp", "all")
 FP8_COMPILE = ("auto", "mlp", "linear", "false")
+ALIGN_TOKENS = 16  # torch._scaled_mm's alignment, for the token axis too (the weight gradient's reduction)
 
 
 @dataclass
@@ -58,3 +59,13 @@ def check_fp8(cfg) -> None:
     require(cfg.device != "cpu" or cfg.fp8.emulate_on_cpu,
             "precision=fp8 needs a GPU with FP8 GEMMs (compute capability 8.9 or newer: H100, H200, L40S, B200); "
             "this run is on the CPU: set precision=bf16 (or fp32)")
+    # an FP8 weight gradient reduces over the rank's tokens, and torch._scaled_mm takes reduction lengths in multiples
+    # of 16 only: otherwise the first backward fails (measured on an H100: 1,000 tokens fail, 1,008 run). Rows are
+    # padded to data.seq_len and split cp ways, so each rank's slice of a row must be a multiple of 16. The CPU's
+    # emulation (tests only) multiplies in high precision and has no such limit
+    cp = cfg.parallelism.cp
+    require(cfg.fp8.emulate_on_cpu or cfg.data.seq_len % (ALIGN_TOKENS * cp) == 0,
+            f"precision=fp8 needs each rank's slice of a row in multiples of {ALIGN_TOKENS} tokens (the FP8 weight "
+            f"gradient's GEMM reduces over them); data.seq_len={cfg.data.seq_len} over parallelism.cp={cp} is not: "
+            f"set data.seq_len to a multiple of {ALIGN_TOKENS * cp} (e.g. "
+            f"{-(-cfg.data.seq_len // (ALIGN_TOKENS * cp)) * ALIGN_TOKENS * cp}), or precision=bf16")

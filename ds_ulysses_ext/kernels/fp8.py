@@ -61,7 +61,7 @@ class Fp8Report:
     def __str__(self) -> str:
         kept = "; ".join(f"{n} ({why})" for n, why in sorted(self.bf16.items())) or "none"
         return (f"precision=fp8, recipe {self.recipe}: {sum(self.fp8.values())} linears in FP8 "
-                f"({', '.join(f'{n} x{c}' for n, c in sorted(self.fp8.items()))}), casts "
+                f"({', '.join(f'{n} x{c}' for n, c in sorted(self.fp8.items()))}), "
                 f"{self._casts()}; decoder linears kept in bf16: {kept}; lm_head, "
                 f"attention and the MoE experts' grouped GEMMs stay bf16 (FP8 grouped GEMMs measured slower)")
 

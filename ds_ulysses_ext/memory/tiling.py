@@ -19,7 +19,8 @@ every rank must run the same number of tiles or the gathers deadlock. The count 
 token count, which CP makes equal on the ranks of a CP group (shard_batch pads to a multiple of cp), but
 not necessarily across DP ranks fed batches of different lengths. So once per decoder forward (a
 forward pre-hook) the largest tile count is agreed with one all-reduce(MAX) over all ranks, and each
-rank splits its tokens into exactly that many near-equal tiles (each at most tile_tokens long). The cost
+rank splits its tokens into exactly that many near-equal tiles (each at most tile_tokens long, or up to 15 tokens
+over where the boundaries are moved onto multiples of 16: tile_sizes). The cost
 is one scalar all-reduce per forward; asserting equality instead would cost the same collective.
 """
 from __future__ import annotations
@@ -41,12 +42,26 @@ def num_tiles(num_tokens: int, tile_tokens: int) -> int:
     return max(1, math.ceil(num_tokens / tile_tokens))
 
 
+# tile boundaries fall on multiples of this many tokens where the count allows: an FP8 linear's weight-gradient GEMM
+# reduces over its tile's tokens, and torch._scaled_mm takes that length in multiples of 16 only (configs/precision.py
+# refuses rows that break it). A bf16 tile loses nothing by it: the MLP is per token
+TILE_ALIGN = 16
+
+
+def tile_sizes(num_tokens: int, tiles: int) -> list:
+    """`tiles` near-equal sizes summing to num_tokens, each a multiple of TILE_ALIGN where num_tokens allows it (the
+    count stays `tiles` either way: the ranks agreed on it)."""
+    unit = TILE_ALIGN if num_tokens % TILE_ALIGN == 0 and num_tokens // TILE_ALIGN >= tiles else 1
+    units = num_tokens // unit
+    return [unit * (units // tiles + (k < units % tiles)) for k in range(tiles)]
+
+
 def tiled_apply(fn: Callable[[torch.Tensor], torch.Tensor], x_BsH: torch.Tensor, tiles: int) -> torch.Tensor:
-    """fn over `tiles` near-equal token tiles of x, each under a checkpoint when grad is on."""
+    """fn over `tiles` near-equal token tiles of x (tile_sizes), each under a checkpoint when grad is on."""
     shape = x_BsH.shape
     x_TH = x_BsH.reshape(-1, shape[-1])  # expects [B s H] (or any [..., H]) -> [T H]
     outs = []
-    for tile_tH in torch.tensor_split(x_TH, tiles, dim=0):
+    for tile_tH in torch.split(x_TH, tile_sizes(x_TH.shape[0], tiles), dim=0):
         if torch.is_grad_enabled():
             outs.append(checkpoint(fn, tile_tH, use_reentrant=False))
         else:
