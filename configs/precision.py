@@ -24,7 +24,8 @@ def bf16_weights(precision: str) -> bool:
 FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 # which decoder linears run in FP8: the MLPs' (the default) or all. On an H200 with compiled casts, the 1B shape's
 # q/k/v and o GEMMs ran 0.95x / 0.82x in FP8 at 16k tokens against bf16, gate+up and down 1.38x / 1.33x
-# (docs/precision.md); all-linears rowwise under full_recompute measured 0.93x bf16's step at 16k
+# (docs/precision.md); all-linears rowwise under full_recompute measured 0.93x bf16's step at 16k, and all-linears
+# tensorwise with the MLP regions no faster than the MLPs alone (H100, 16k, no recompute: 0.3293 against 0.3281 s)
 FP8_LINEARS = ("mlp", "all")
 FP8_COMPILE = ("auto", "mlp", "linear", "false")
 ALIGN_TOKENS = 16  # torch._scaled_mm's alignment, for the token axis too (the weight gradient's reduction)
