@@ -27,7 +27,7 @@ FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 # (docs/precision.md); all-linears rowwise under full_recompute measured 0.93x bf16's step at 16k, and all-linears
 # tensorwise with the MLP regions no faster than the MLPs alone (H100, 16k, no recompute: 0.3293 against 0.3281 s)
 FP8_LINEARS = ("mlp", "all")
-FP8_COMPILE = ("auto", "mlp", "linear", "false")
+FP8_COMPILE = ("auto", "regions", "mlp", "linear", "false")
 ALIGN_TOKENS = 16  # torch._scaled_mm's alignment, for the token axis too (the weight gradient's reduction)
 
 
@@ -41,6 +41,8 @@ class Fp8Config:
     # where the casts' amax and scale kernels are compiled: eager casts made FP8 slower than bf16 on an H200
     # (docs/precision.md). mlp: each gated MLP as one region (one cast of x feeds gate and up; the activation fuses
     # with down's input cast), each other FP8 linear alone, and every linear alone under ZeRO-3 on several ranks;
+    # regions: as mlp, and each attention's q/k/v, where all three run in FP8 (fp8.linears=all), as one region too
+    # (one cast of x feeds all three; not yet measured on a GPU, so auto does not choose it);
     # linear: each FP8 linear's forward alone; false: eager. auto: on CUDA mlp for tensorwise and linear for the rowwise
     # recipes (what measured faster for each: kernels/fp8.py resolve_compile); a CPU run (emulate_on_cpu) stays eager
     compile: str = "auto"

@@ -232,21 +232,26 @@ def _eager_compile(calls, backend="eager"):
 
 def _loss_and_grads(model, ids):
     model.zero_grad(set_to_none=True)
-    out = model(input_ids=ids, labels=ids)
+    # the positions HF would make itself, given: a model with our attention bound asks for them
+    out = model(input_ids=ids, labels=ids, position_ids=torch.arange(ids.shape[1]).unsqueeze(0))
     out.loss.backward()
     return float(out.loss.detach()), {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _eager_and_regions(linears: str, backend: str, seed: int):
-    """Two copies of the tiny model in tensorwise FP8: `ref` with eager casts, `got` with fp8.compile=mlp through
-    `backend`; the compiled functions' names collect in `calls`."""
+def _eager_and_regions(linears: str, backend: str, seed: int, compile_casts: str = "mlp", integrate: bool = False):
+    """Two copies of the tiny model in tensorwise FP8: `ref` with eager casts, `got` with fp8.compile=`compile_casts`
+    through `backend`; the compiled functions' names collect in `calls`. `integrate`: our attention bound first (as a
+    run binds it; the except_attention policy records and replays it)."""
+    from ds_ulysses_ext import enable_context_parallel, init_topology
     torch._dynamo.reset()
     ids = torch.randint(0, 128, (1, 64), generator=torch.Generator().manual_seed(seed))
     ref, got = _tiny(), _tiny()
     got.load_state_dict(ref.state_dict())
+    if integrate:
+        ref, got = (enable_context_parallel(m, init_topology(1), backend="sdpa") for m in (ref, got))
     apply_fp8(ref, "tensorwise", linears, compile_casts="false")
     calls = []
-    report = apply_fp8(got, "tensorwise", linears, compile_casts="mlp", compile_fn=_eager_compile(calls, backend))
+    report = apply_fp8(got, "tensorwise", linears, compile_casts=compile_casts, compile_fn=_eager_compile(calls, backend))
     return ids, ref, got, calls, report
 
 
@@ -288,6 +293,41 @@ def test_whole_mlp_regions_beside_attention_linears_in_fp8():
     loss, grads = _loss_and_grads(got, ids)
     assert loss == pytest.approx(loss_ref, rel=1e-6)
     assert grads.keys() == grads_ref.keys() and all(torch.equal(grads[n], grads_ref[n]) for n in grads)
+
+
+@pytest.mark.parametrize("policy", ["none", "except_attention"])
+def test_qkv_regions_equal_eager_casts(policy):
+    # fp8.compile=regions with fp8.linears=all: each attention's q/k/v one region, bound as a projection group (q's
+    # call runs it, k and v take theirs), each MLP one region, o_proj alone. The values are the eager casts', also
+    # through the except_attention replay, where the region computes the projections that the bf16 group skips
+    from ds_ulysses_ext.memory import ExceptAttentionRecompute
+    ids, ref, got, calls, report = _eager_and_regions("all", "aot_eager", seed=2, compile_casts="regions",
+                                                      integrate=True)
+    assert (report.whole_mlps, report.qkv_regions) == (2, 2), report
+    assert "2 gated MLPs whole, 2 q/k/v groups as one region each" in str(report)
+    assert calls.count("_qkv") == 2 and calls.count("LlamaMLP.forward") == 2 and len(calls) == 4 + 14, calls
+    if policy == "except_attention":
+        for m in (ref, got):
+            ExceptAttentionRecompute().apply(m)
+    loss_ref, grads_ref = _loss_and_grads(ref, ids)
+    loss, grads = _loss_and_grads(got, ids)
+    groups = [layer.self_attn.q_proj.forward.__self__ for layer in got.model.layers]
+    assert all(g.fused_calls >= 1 for g in groups), [g.fused_calls for g in groups]  # the regions ran
+    assert loss == pytest.approx(loss_ref, rel=1e-6)
+    assert grads.keys() == grads_ref.keys() and all(torch.equal(grads[n], grads_ref[n]) for n in grads)
+
+
+def test_a_qkv_region_that_cannot_run_leaves_each_projection_in_fp8():
+    # under autocast the group steps aside: each projection runs its own compiled FP8 forward, not a bf16 F.linear
+    _, _, got, _, _ = _eager_and_regions("all", "eager", seed=3, compile_casts="regions")
+    attn = got.model.layers[0].self_attn
+    x = torch.randn(1, 32, 64, dtype=torch.bfloat16)
+    fp8 = [type(m).forward(m, x) for m in (attn.q_proj, attn.k_proj, attn.v_proj)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got_outs = [attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)]
+    assert attn.q_proj.forward.__self__.fused_calls == 0
+    assert all(torch.equal(g, f) for g, f in zip(got_outs, fp8))
+    assert not torch.equal(fp8[0], torch.nn.functional.linear(x, attn.q_proj.weight))  # FP8 rounds differently
 
 
 def test_whole_mlp_regions_stay_off_under_zero3_and_per_linear():

@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 
 ROUTER_NAMES = ("gate", "router", "shared_expert_gate")
 MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
+QKV_NAMES = ("q_proj", "k_proj", "v_proj")
 ALIGN = 16  # torch._scaled_mm needs both GEMM dimensions divisible by 16
 MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada, Hopper, Blackwell
 
@@ -49,14 +50,15 @@ class Fp8Report:
     recipe: str
     fp8: Counter = field(default_factory=Counter)  # leaf name -> how many run in FP8
     bf16: dict = field(default_factory=dict)  # leaf name -> why it stays bf16
-    compiled: str = "false"  # fp8.compile as it ran: mlp, linear or false
+    compiled: str = "false"  # fp8.compile as it ran: regions, mlp, linear or false
     whole_mlps: int = 0  # gated MLPs compiled as one region (compiled=mlp); their linears' own forwards compiled too
+    qkv_regions: int = 0  # attention modules whose q/k/v run as one compiled region (compiled=regions)
     per_linear_why: str = ""  # why compiled=mlp fell back to compiling each linear alone, where it did
 
     def as_dict(self) -> dict:
         return {"recipe": self.recipe, "fp8_linears": dict(sorted(self.fp8.items())),
                 "bf16_linears": dict(sorted(self.bf16.items())), "compiled": self.compiled,
-                "whole_mlps": self.whole_mlps}
+                "whole_mlps": self.whole_mlps, "qkv_regions": self.qkv_regions}
 
     def __str__(self) -> str:
         kept = "; ".join(f"{n} ({why})" for n, why in sorted(self.bf16.items())) or "none"
@@ -68,8 +70,9 @@ class Fp8Report:
     def _casts(self) -> str:
         if self.compiled == "false":
             return "casts eager"
-        if self.whole_mlps:
-            return f"casts compiled: {self.whole_mlps} gated MLPs whole, any other FP8 linear alone"
+        if self.whole_mlps or self.qkv_regions:
+            qkv = f", {self.qkv_regions} q/k/v groups as one region each" if self.qkv_regions else ""
+            return f"casts compiled: {self.whole_mlps} gated MLPs whole{qkv}, any other FP8 linear alone"
         return "casts compiled per linear" + (f" ({self.per_linear_why})" if self.per_linear_why else "")
 
 
@@ -121,7 +124,8 @@ def apply_fp8(hf_model: torch.nn.Module, recipe: str, linears: str, compile_cast
 
     compile_casts: `mlp` compiles each gated MLP whose three projections run in FP8 as one region, and every FP8
     linear's forward alone as well (what runs where a memory policy calls the projections directly: the selective
-    recompute's rewritten MLP); `linear` each linear alone; `false` eager casts. `partitioned`: ZeRO-3 partitions the
+    recompute's rewritten MLP); `regions` as `mlp`, and each attention's q/k/v, where all three run in FP8, as one
+    region too; `linear` each linear alone; `false` eager casts. `partitioned`: ZeRO-3 partitions the
     weights across ranks, and its gather hooks sit on each linear's __call__, which a whole-MLP region would trace
     into; there each linear is compiled alone (the hooks stay outside). `compile_fn`: torch.compile unless a test
     hands another (the eager backend checks the regions on CPU)."""
@@ -159,7 +163,7 @@ def apply_fp8(hf_model: torch.nn.Module, recipe: str, linears: str, compile_cast
         # the instance's forward, compiled: the amax, scale and cast kernels fuse around the GEMMs; ZeRO-3's gather
         # hooks stay outside, on the module's __call__
         module.forward = compile_fn(module.forward)
-    if compile_casts == "mlp":
+    if compile_casts in ("mlp", "regions"):
         if partitioned:
             report.per_linear_why = "ZeRO-3 partitions the weights: its gather hooks stay outside each compiled linear"
         else:
@@ -167,7 +171,10 @@ def apply_fp8(hf_model: torch.nn.Module, recipe: str, linears: str, compile_cast
                 if is_known_gated_mlp(module) and all(f"{name}.{p}" in chosen for p in MLP_NAMES):
                     _compile_whole_mlp(module, compile_fn)
                     report.whole_mlps += 1
-            if not report.whole_mlps:
+                if compile_casts == "regions" and all(f"{name}.{p}" in chosen for p in QKV_NAMES):
+                    _compile_qkv(module, compile_fn)
+                    report.qkv_regions += 1
+            if not report.whole_mlps and not report.qkv_regions:
                 report.per_linear_why = "no gated MLP of a known class has all three projections in FP8"
     return report
 
@@ -182,3 +189,20 @@ def _compile_whole_mlp(mlp: torch.nn.Module, compile_fn: Callable) -> None:
     region = compile_fn(type(mlp).forward.__get__(mlp))
     region.act_mul = lambda gate, up: mlp.act_fn(gate) * up
     mlp.forward = region
+
+
+def _qkv(attn: torch.nn.Module, x: torch.Tensor) -> tuple:
+    """The q/k/v region's body: each projection's own Float8Linear forward, on one input."""
+    return tuple(type(m).forward(m, x) for m in (getattr(attn, n) for n in QKV_NAMES))
+
+
+def _compile_qkv(attn: torch.nn.Module, compile_fn: Callable) -> None:
+    """q, k and v of one attention module as one compiled region, bound as a projection group (kernels/projections.py:
+    the first projection's call runs the region, the other two take their outputs). Per linear, FP8 lost what the bf16
+    group has: each linear cast x on its own, and autograd summed their three input gradients in separate bf16 adds;
+    in one region x's amax and cast can be shared and the sum fuses into the backward's kernels. The region computes
+    all three also inside the except_attention replay, where the bf16 group skips the unused ones (a cost in time
+    only). Where the group cannot run (autocast), each projection runs its own compiled forward."""
+    from .projections import ProjectionGroup
+    members = [getattr(attn, n) for n in QKV_NAMES]
+    ProjectionGroup(members, node=compile_fn(_qkv.__get__(attn))).bind()

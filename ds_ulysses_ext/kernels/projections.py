@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -92,20 +92,27 @@ class _SharedInputLinears(torch.autograd.Function):
 
 
 class ProjectionGroup:
-    """Linears reading one input. The first member's forward computes every member; the others take theirs."""
+    """Linears reading one input. The first member's forward computes every member; the others take theirs.
 
-    def __init__(self, members: list, unused_in_replay: Optional[list] = None) -> None:
+    `node(x) -> every member's output` replaces the shared-input node where the members are not plain linears
+    (kernels/fp8.py: FP8 q/k/v as one compiled region); it computes every member, the replay's unused ones too.
+    Where the group cannot run (ZeRO-3 partitions, autocast), each member runs the forward it had before binding."""
+
+    def __init__(self, members: list, unused_in_replay: Optional[list] = None, node: Optional[Callable] = None) -> None:
         self.members = members
         self.unused_in_replay = unused_in_replay or [False] * len(members)
+        self.node = node
+        self._own: list = []  # each member's forward before binding
         self._handed: dict = {}  # id(member) -> its output, for the call with the input below
         self._input: Optional[torch.Tensor] = None
         self.fused_calls = 0  # node runs, for tests
 
     def bind(self) -> None:
+        self._own = [m.forward for m in self.members]
         first, *others = self.members
         first.forward = self._first_forward
-        for member in others:
-            member.forward = self._sibling_forward(member)
+        for i, member in enumerate(others, start=1):
+            member.forward = self._sibling_forward(member, self._own[i])
 
     def _plain(self) -> bool:
         # ZeRO-3 gathers each module's weights in its own pre-forward hook: a sibling's may be a partition now.
@@ -116,27 +123,29 @@ class ProjectionGroup:
     def _first_forward(self, x: torch.Tensor) -> torch.Tensor:
         self._handed.clear()
         self._input = None
-        first = self.members[0]
         if self._plain():
-            return F.linear(x, first.weight, first.bias)
-        replay = _replaying()
-        skip = tuple(replay and unused for unused in self.unused_in_replay)
-        params = [t for m in self.members for t in (m.weight, m.bias)]
-        outs = _SharedInputLinears.apply(x, skip, *params)
+            return self._own[0](x)
+        if self.node is not None:
+            outs = self.node(x)
+        else:
+            replay = _replaying()
+            skip = tuple(replay and unused for unused in self.unused_in_replay)
+            params = [t for m in self.members for t in (m.weight, m.bias)]
+            outs = _SharedInputLinears.apply(x, skip, *params)
         self.fused_calls += 1
         self._input = x
         for member, out in zip(self.members[1:], outs[1:]):
             self._handed[id(member)] = out
         return outs[0]
 
-    def _sibling_forward(self, member):
+    def _sibling_forward(self, member, own: Callable):
         def forward(x: torch.Tensor) -> torch.Tensor:
             out = self._handed.pop(id(member), None)
             if out is not None and x is self._input:
                 if not self._handed:
                     self._input = None
                 return out
-            return F.linear(x, member.weight, member.bias)
+            return own(x)
         return forward
 
 
