@@ -22,8 +22,9 @@ step's non-finite norm instead of training a silently wrong model.
 
 Bound by structure at the model's build (kernels/bind.py, with the fused kernels; kernels/fp8.py for FP8 q/k/v):
 the first member's forward runs the node and hands each sibling its output, which the sibling's own forward takes
-if it is called with the same input tensor (HF's attention calls q, k, v in turn on one hidden state). Any other call, or weights that ZeRO-3 has
-partitioned (gathered per module, so a sibling's may not be there yet), runs the member's own forward.
+if it is called with the same input tensor (HF's attention calls q, k, v in turn on one hidden state). Any other
+call, or weights that ZeRO-3 has partitioned (gathered per module, so a sibling's may not be there yet), runs the
+member's own forward.
 """
 from __future__ import annotations
 
