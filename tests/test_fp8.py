@@ -251,7 +251,8 @@ def _eager_and_regions(linears: str, backend: str, seed: int, compile_casts: str
         ref, got = (enable_context_parallel(m, init_topology(1), backend="sdpa") for m in (ref, got))
     apply_fp8(ref, "tensorwise", linears, compile_casts="false")
     calls = []
-    report = apply_fp8(got, "tensorwise", linears, compile_casts=compile_casts, compile_fn=_eager_compile(calls, backend))
+    report = apply_fp8(got, "tensorwise", linears, compile_casts=compile_casts,
+                       compile_fn=_eager_compile(calls, backend))
     return ids, ref, got, calls, report
 
 
