@@ -119,7 +119,8 @@
 #                $ANCHOR_SHAPE e.g. "--shape llama8b --layers 8" to match llama3_1_8b_shape with
 #                model.arch.num_hidden_layers=8 in $EXTRA) at $FP8_POINTS (default 16384:none,32768:none; ours zero0,
 #                bf16 master weights, Liger's kernels, no clipping, the step in backward, $EXTRA), ours bf16 then
-#                fp8 with each of $FP8_LINEARS (default "mlp all") and $FP8_RECIPE (default tensorwise), then the anchor
+#                fp8 with each of $FP8_LINEARS (default "mlp all"), $FP8_RECIPE (default tensorwise) and $FP8_COMPILE
+#                (default auto; e.g. regions: q/k/v as one region under fp8.linears=all), then the anchor
 #                without checkpointing at the same lengths; $OUT/fp8_short.jsonl
 #   fp8_track    FP8's accuracy against bf16: $FP8_TRACK_STEPS (default 500) steps of the Llama-3.2-1B shape on the shipped
 #                corpus (data=demo, $FP8_TRACK_SEQ tokens a row, default 4096, lr $FP8_TRACK_LR, default 1e-4) in bf16,
@@ -316,7 +317,8 @@ for name, a in zip(('liger', 'control'), runs):
                  $C ${EXTRA:-} | grep RESULT | cut -c1-1200 | tee -a "$OUT/fp8_short.jsonl"
                for l in ${FP8_LINEARS:-mlp all}; do
                  python3 scripts/bench/bench_train.py --model $M --points $pts --steps 5 --no-phase-times --deepspeed zero0 \
-                   --precision fp8 $C fp8.linears=$l fp8.recipe=${FP8_RECIPE:-tensorwise} ${EXTRA:-} | grep RESULT | cut -c1-1200 \
+                   --precision fp8 $C fp8.linears=$l fp8.recipe=${FP8_RECIPE:-tensorwise} fp8.compile=${FP8_COMPILE:-auto} \
+                   ${EXTRA:-} | grep RESULT | cut -c1-1200 \
                    | tee -a "$OUT/fp8_short.jsonl"
                done
                for p in ${pts//,/ }; do
