@@ -363,6 +363,75 @@ def test_an_moe_model_without_dense_mlps_names_the_fix():
         apply_fp8(model, "rowwise", "mlp", compile_casts="false")
 
 
+def _zero3_fp8_saves(rank, world, backend, out):
+    """Two FP8 linears under DeepSpeed's ZeRO-3 on `world` ranks, each forward compiled through `backend` (None:
+    eager casts): what their backward saves, classed against the gathered weights, and the full weight gradients."""
+    import deepspeed
+    from deepspeed.utils import safe_get_full_grad
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from dist_harness import patch_deepspeed_shm_build
+    patch_deepspeed_shm_build()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256, bias=False), torch.nn.Linear(256, 64, bias=False))
+    model = model.to(torch.bfloat16)
+    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("tensorwise"))
+    if backend:
+        for linear in model:
+            linear.forward = torch.compile(linear.forward, backend=backend)
+    config = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+              "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    params, saved = list(engine.module.parameters()), []
+
+    def pack(t):  # each weight is gathered while its linear runs: a saved tensor on its storage is that gather
+        for p in params:
+            if t is p:
+                saved.append("the parameter")
+            elif p.numel() and t.untyped_storage().data_ptr() == p.data.untyped_storage().data_ptr():
+                saved.append("a view of the gathered weight")
+        return t
+
+    # a hidden state, as inside a model: each linear's input gradient needs its weight
+    x = torch.randn(32, 64, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(rank), requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = engine(x).float().square().mean()
+    released = all(p.numel() == 0 for p in params)  # ZeRO-3 let go of every gathered weight after the forward
+    engine.backward(loss)
+    torch.save({"saved": saved, "released": released, "grads": [safe_get_full_grad(p).clone() for p in params]},
+               f"{out}.{rank}")
+
+
+def test_compiled_fp8_linears_under_zero3_keep_no_gathered_weight(tmp_path):
+    # torchao's eager Float8Linear saves weight.t(), a view of ZeRO-3's gathered weight, so that gather outlives the
+    # forward; a compiled one saves the parameter itself, which ZeRO-3 releases and gathers again for the backward,
+    # as for a bf16 linear. Every GPU run compiles the casts (fp8.compile=auto: per linear under ZeRO-3 on several
+    # ranks). The gradients are the same either way
+    from dist_harness import run_ranks
+    got = {}
+    for name, backend in (("eager", None), ("compiled", "aot_eager")):
+        run_ranks(_zero3_fp8_saves, 2, backend, str(tmp_path / name))
+        got[name] = [torch.load(f"{tmp_path / name}.{rank}") for rank in range(2)]
+    for rank in range(2):
+        eager, compiled = got["eager"][rank], got["compiled"][rank]
+        assert eager["released"] and compiled["released"]
+        assert eager["saved"] == ["a view of the gathered weight"] * 2, eager["saved"]
+        assert compiled["saved"] == ["the parameter"] * 2, compiled["saved"]
+        assert all(torch.equal(a, b) for a, b in zip(eager["grads"], compiled["grads"]))
+
+
+def test_eager_fp8_casts_under_zero3_warn_of_the_weights_they_hold(caplog):
+    # the tiny model's 6 MLP linears: 3 x 64 x 128 bf16 weights a layer, 2 layers = 96 KiB
+    with caplog.at_level("WARNING", logger="ds_ulysses_ext.kernels.fp8"):
+        apply_fp8(_tiny(), "tensorwise", "mlp", compile_casts="false", partitioned=True)
+    assert "keeps its gathered bf16 weight" in caplog.text
+    assert f"up to {6 * 64 * 128 * 2 / 2**30:.3g} GiB" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="ds_ulysses_ext.kernels.fp8"):
+        apply_fp8(_tiny(), "tensorwise", "mlp", compile_casts="false")  # one rank: ZeRO-3 runs as ZeRO-2
+    assert "gathered" not in caplog.text
+
+
 def test_fp8_ring_within_fp8s_distance_from_bf16(tmp_path):
     # the zigzag ring (cp=2 as one ring of 2) in FP8 against world 1 in FP8. Unlike Ulysses, the ring's attention
     # rounds differently from world 1's (its blockwise merge), and the next linears' float8 casts turn some of those

@@ -151,6 +151,15 @@ def apply_fp8(hf_model: torch.nn.Module, recipe: str, linears: str, compile_cast
     convert_to_float8_training(decoder.layers, config=Float8LinearConfig.from_recipe_name(recipe),
                                module_filter_fn=lambda module, fqn: fqn in chosen)
     if compile_casts == "false":
+        if partitioned:
+            # torchao's eager forward saves weight.t(), a view of ZeRO-3's gathered weight, which then outlives the
+            # forward; a compiled forward saves the parameter itself, which ZeRO-3 gathers again for the backward
+            # (tests/test_fp8.py test_compiled_fp8_linears_under_zero3_keep_no_gathered_weight)
+            held = sum(getattr(m.weight, "ds_numel", m.weight.numel()) for n, m in decoder.layers.named_modules()
+                       if n in chosen) * 2
+            log.warning("precision=fp8 with fp8.compile=false under ZeRO-3: each FP8 linear keeps its gathered bf16 "
+                        "weight from its forward to its backward, up to %.3g GiB a rank that bf16 would not hold; "
+                        "compiled casts (fp8.compile=auto) do not", held / 2**30)
         return report
     compile_fn = compile_fn or torch.compile
     # the instances share Float8Linear.forward's code, so dynamo keeps one graph per weight shape and grad mode
