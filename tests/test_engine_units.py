@@ -363,7 +363,13 @@ def test_deepspeed_cpu_device_count_runs_no_subprocess_after_init():
     import multiprocessing
     report = multiprocessing.get_context("fork").SimpleQueue()
     run_ranks(_device_count_after_init, 2, report)
-    assert sorted(report.get() for _ in range(2)) == [(0, "2", 2), (1, "2", 2)]
+    rows = []
+    while not report.empty():
+        rows.append(report.get())
+    # run_ranks starts the ranks again after gloo's transport set-up flake (tests/dist_harness.py): a rank of the
+    # failed attempt may have reported already, so every row counts, and each rank must have reported
+    assert rows and all(row in [(0, "2", 2), (1, "2", 2)] for row in rows), rows
+    assert {row[0] for row in rows} == {0, 1}, rows
 
 
 def _shutdown_in_a_fresh_process(store, report):
