@@ -25,7 +25,8 @@ FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 # which decoder linears run in FP8: the MLPs' (the default) or all. On an H200 with compiled casts, the 1B shape's
 # q/k/v and o GEMMs ran 0.95x / 0.82x in FP8 at 16k tokens against bf16, gate+up and down 1.38x / 1.33x
 # (docs/precision.md); all-linears rowwise under full_recompute measured 0.93x bf16's step at 16k, and all-linears
-# tensorwise with the MLP regions no faster than the MLPs alone (H100, 16k, no recompute: 0.3293 against 0.3281 s)
+# tensorwise with the regions no faster than the MLPs alone (H100, 16k, no recompute, FA4: 0.2989 against 0.2991 s).
+# On the Llama-3.1-8B layer shape (q and o 4096 x 4096) all is the faster: 1.235x bf16's step against mlp's 1.206x
 FP8_LINEARS = ("mlp", "all")
 FP8_COMPILE = ("auto", "regions", "mlp", "linear", "false")
 ALIGN_TOKENS = 16  # torch._scaled_mm's alignment, for the token axis too (the weight gradient's reduction)
@@ -42,9 +43,10 @@ class Fp8Config:
     # (docs/precision.md). mlp: each gated MLP as one region (one cast of x feeds gate and up; the activation fuses
     # with down's input cast), each other FP8 linear alone, and every linear alone under ZeRO-3 on several ranks;
     # regions: as mlp, and each attention's q/k/v, where all three run in FP8 (fp8.linears=all), as one region too
-    # (one cast of x feeds all three; not yet measured on a GPU, so auto does not choose it);
-    # linear: each FP8 linear's forward alone; false: eager. auto: on CUDA mlp for tensorwise and linear for the rowwise
-    # recipes (what measured faster for each: kernels/fp8.py resolve_compile); a CPU run (emulate_on_cpu) stays eager
+    # (one cast of x feeds all three: the 8B layer shape's step 1.011x the per-linear casts');
+    # linear: each FP8 linear's forward alone; false: eager. auto: on CUDA regions for tensorwise and linear for the
+    # rowwise recipes (what measured faster for each: kernels/fp8.py resolve_compile); a CPU run (emulate_on_cpu) stays
+    # eager
     compile: str = "auto"
     # run the FP8 GEMMs through torch's CPU float8 matmul: slow and only for checking layouts on CPU (the tests do);
     # without it precision=fp8 on CPU is refused

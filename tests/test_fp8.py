@@ -348,7 +348,7 @@ def test_whole_mlp_regions_stay_off_under_zero3_and_per_linear():
 def test_auto_compile_follows_the_recipe_and_device():
     # the region measured faster than per-linear casts for tensorwise and slower for rowwise (one MLP, H200)
     from ds_ulysses_ext.kernels.fp8 import resolve_compile
-    assert resolve_compile("auto", "tensorwise", "cuda") == "mlp"
+    assert resolve_compile("auto", "tensorwise", "cuda") == "regions"
     assert resolve_compile("auto", "rowwise", "cuda") == "linear"
     assert resolve_compile("auto", "rowwise_with_gw_hp", "cuda") == "linear"
     assert resolve_compile("auto", "tensorwise", "cpu") == "false"

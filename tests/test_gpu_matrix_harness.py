@@ -74,3 +74,27 @@ def test_a_killed_process_is_named_with_the_command_that_runs_its_families_alone
     out = capsys.readouterr().out
     assert "the process of llama_d64 was killed by signal 9" in out
     assert "--families llama_d64 --jobs 1 --resume" in out and "deepseek_v3_mla was killed" not in out
+
+
+def test_resume_runs_again_the_cells_that_found_the_gpu_full(tmp_path):
+    """A cell that ran out of device memory beside its neighbours (8 processes on an 80 GiB H100, 2026-12-06) has no
+    verdict: --resume runs it again. A cell with a verdict, passing or failing, is kept."""
+    from types import SimpleNamespace
+    out = tmp_path / "m.jsonl"
+    rows = [dict(family="llama_d64", cell="kernels=liger", ok=True, ratio=1.0),
+            dict(family="llama_d64", cell="kernels=compile", ok=False, ratio=3.0),
+            dict(family="llama_d64", cell="memory=tiled", ok=False, error="OutOfMemoryError: CUDA out of memory."),
+            dict(family="llama_d64", cell="memory=selective", ok=False,
+                 error="RuntimeError: CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")]
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = SimpleNamespace(only="kernels=liger,kernels=compile,memory=tiled,memory=selective", skip_from="",
+                           out=str(out), resume=True, reinstate_contiguity_bug=False, quick=True, fa4=False, fla=False)
+    todo = {c[1] for c in gpu_matrix.todo_cells(args, ["llama_d64"])}
+    # --only matches substrings: "kernels=liger zero3" and "memory=selective_tiled" have no row yet
+    assert todo == {"memory=tiled", "memory=selective", "kernels=liger zero3", "memory=selective_tiled"}
+
+
+def test_jobs_zero_runs_as_many_processes_as_the_gpu_memory_holds():
+    assert gpu_matrix.jobs_for_memory(int(79.18 * 2**30)) == 3  # an H100: 8 processes ran out of memory
+    assert gpu_matrix.jobs_for_memory(int(139.8 * 2**30)) == 6
+    assert gpu_matrix.jobs_for_memory(8 << 30) == 1

@@ -95,15 +95,17 @@ def check_fp8_device(device: torch.device, emulate_on_cpu: bool) -> None:
 
 
 def resolve_compile(setting: str, recipe: str, device_type: str) -> str:
-    """fp8.compile as the run uses it. `auto`: eager on the CPU; on CUDA the whole-MLP region for tensorwise and each
-    linear alone for the rowwise recipes. One MLP alone on an H200 (docs/benchmarks.md, 2026-12-04 late): the region
-    measured 1.04-1.13x the per-linear casts with tensorwise, and 0.89-0.94x with rowwise (why rowwise loses there
-    is not known)."""
+    """fp8.compile as the run uses it. `auto`: eager on the CPU; on CUDA the regions (whole MLPs, and q/k/v where all
+    three run in FP8) for tensorwise and each linear alone for the rowwise recipes. One MLP alone on an H200
+    (docs/benchmarks.md, 2026-12-04 late): the region measured 1.04-1.13x the per-linear casts with tensorwise, and
+    0.89-0.94x with rowwise (why rowwise loses there is not known). The q/k/v region (fp8.linears=all only; under
+    `mlp` the two settings are the same): the 8B layer shape's step 1.011x faster with it, the 1B shape's the same
+    (H100, FA4, 16k, 2026-12-06)."""
     if setting != "auto":
         return setting
     if device_type != "cuda":
         return "false"
-    return "mlp" if recipe == "tensorwise" else "linear"
+    return "regions" if recipe == "tensorwise" else "linear"
 
 
 def _why_bf16(leaf: str, module: torch.nn.Linear, linears: str) -> str:

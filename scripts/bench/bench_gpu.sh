@@ -122,6 +122,11 @@
 #                fp8 with each of $FP8_LINEARS (default "mlp all"), $FP8_RECIPE (default tensorwise) and $FP8_COMPILE
 #                (default auto; e.g. regions: q/k/v as one region under fp8.linears=all), then the anchor
 #                without checkpointing at the same lengths; $OUT/fp8_short.jsonl
+#   fp8_equal    precision=fp8 at the FP8 anchor's checkpointed memory: ours (zero0, bf16 master weights, Liger, no clipping,
+#                the step in backward, memory.offload_activations=true) in bf16 and in fp8 ($FP8_RECIPE, default tensorwise)
+#                at $FP8_EQ_POINTS (default 16k and 32k, except_attention_offload; $MODEL, $EXTRA as for fp8_short), then
+#                model_bench.py --liger --fp8 with its gradient checkpointing at the same lengths ($ANCHOR_SHAPE, e.g.
+#                "--attn fa4"); $OUT/fp8_equal.jsonl
 #   fp8_track    FP8's accuracy against bf16: $FP8_TRACK_STEPS (default 500) steps of the Llama-3.2-1B shape on the shipped
 #                corpus (data=demo, $FP8_TRACK_SEQ tokens a row, default 4096, lr $FP8_TRACK_LR, default 1e-4) in bf16,
 #                in fp8 ($FP8_TRACK_ARGS more overrides, e.g. fp8.linears=all) and a rounding-only control (bf16, loss
@@ -131,7 +136,8 @@
 #                each model.kernels, every preset memory=auto can choose, zero0 / zero3, the optimizer step in backward,
 #                packed documents, against the fp32 eager unsplit model; $OUT/gpu_matrix.jsonl; $MATRIX_ARGS: more
 #                arguments (--families, --only, --fa4, --fla, --reinstate-contiguity-bug for the self-check). Families
-#                run in $MATRIX_JOBS (8) processes side by side; no cell starts after $MATRIX_DEADLINE_S (520) s, and the
+#                run in $MATRIX_JOBS processes side by side (default 0: one per 20 GiB of GPU memory, 3 on an H100, 7 on
+#                an H200; 8 on an H100 ran out of memory in 49 cells, which --resume runs again); no cell starts after $MATRIX_DEADLINE_S (520) s, and the
 #                rows collect in outputs/gpu_matrix.jsonl, which a warm machine keeps: run the part again in the next
 #                call and it runs only the cells still missing (--resume). docs/gpu_matrix.md
 #   auto_memory  memory=auto through scripts/train.py: the Llama-3.2-1B shape at $AUTO_POINTS (default 16k-128k) and the
@@ -325,6 +331,18 @@ for name, a in zip(('liger', 'control'), runs):
                  python3 .bench/anchor-bench/model_bench.py --seq ${p%%:*} --variant hf --liger --fp8 ${FP8_RECIPE:-tensorwise} \
                    --no-ckpt --warmup 1 --reps 3 ${ANCHOR_SHAPE:-} 2>&1 | grep -E "RESULT|Error" | tail -2 | tee -a "$OUT/fp8_short.jsonl"
                done ;;
+    fp8_equal) pts=${FP8_EQ_POINTS:-16384:except_attention_offload,32768:except_attention_offload}; M=${MODEL:-llama3_2_1b}
+               C="deepspeed.master_weights=bf16 model.kernels=liger trainer.grad_clip=0 trainer.optimizer_in_backward=true"
+               C="$C memory.offload_activations=true"
+               for p in bf16 fp8; do
+                 python3 scripts/bench/bench_train.py --model $M --points $pts --steps 5 --no-phase-times --deepspeed zero0 \
+                   --precision $p $C fp8.recipe=${FP8_RECIPE:-tensorwise} ${EXTRA:-} | grep RESULT | cut -c1-1200 \
+                   | tee -a "$OUT/fp8_equal.jsonl"
+               done
+               for p in ${pts//,/ }; do  # checkpointed: the anchor's memory, which ours must not exceed
+                 python3 .bench/anchor-bench/model_bench.py --seq ${p%%:*} --variant hf --liger --fp8 ${FP8_RECIPE:-tensorwise} \
+                   --warmup 1 --reps 3 ${ANCHOR_SHAPE:-} 2>&1 | grep -E "RESULT|Error" | tail -2 | tee -a "$OUT/fp8_equal.jsonl"
+               done ;;
     fp8_track) for k in bf16 fp8 control; do
                  case $k in bf16) a="precision=bf16" ;; fp8) a="precision=fp8 ${FP8_TRACK_ARGS:-}" ;;
                              control) a="precision=bf16 trainer.loss_chunk_size=1024" ;; esac  # rounding only
@@ -344,7 +362,7 @@ for name, a in zip(('fp8', 'control'), runs):
     print(f'fp8_track {name} vs bf16: {len(d)} steps, max |dloss| {max(d):.3e}, mean {sum(d) / len(d):.3e}, last {d[-1]:.3e}')
 print('fp8_track last eval loss bf16 / fp8 / control:', evals)" \
                  "$OUT/fp8_track_bf16.jsonl" "$OUT/fp8_track_fp8.jsonl" "$OUT/fp8_track_control.jsonl" ;;
-    gpu_matrix) python3 scripts/bench/gpu_matrix.py --jobs ${MATRIX_JOBS:-8} --deadline-s ${MATRIX_DEADLINE_S:-520} \
+    gpu_matrix) python3 scripts/bench/gpu_matrix.py --jobs ${MATRIX_JOBS:-0} --deadline-s ${MATRIX_DEADLINE_S:-520} \
                     --resume --out outputs/gpu_matrix.jsonl ${MATRIX_ARGS:-} 2>&1 | grep -E '^\{|gpu_matrix' \
                   | cut -c1-400; cp outputs/gpu_matrix.jsonl "$OUT/" ;;
     auto_memory) python3 scripts/bench/bench_train.py --points ${AUTO_POINTS:-16384:auto,32768:auto,65536:auto,131072:auto} \

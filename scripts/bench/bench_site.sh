@@ -18,5 +18,8 @@ install_carried .lig liger_kernel
 # torchao (precision=fp8 and the anchors' --fp8), carried in .tao/ (`pip download --no-deps torchao==0.18.0`) where the
 # image lacks it
 install_carried .tao torchao
+# transformers at the pinned version (.tfw/, `pip download --no-deps transformers==5.22.2`): the image's 5.17 lacks
+# Mistral-4, GPT-OSS's swiglu_alpha and Qwen3-VL's text model as AutoModelForCausalLM (the GPU matrix's cells)
+install_carried .tfw transformers
 # a --target install skips .pth files: add nvidia_cutlass_dsl's (FA4, bench_gpu.sh site_fa4) by hand
 export PYTHONPATH=$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
