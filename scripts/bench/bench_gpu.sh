@@ -137,7 +137,7 @@
 #                packed documents, against the fp32 eager unsplit model; $OUT/gpu_matrix.jsonl; $MATRIX_ARGS: more
 #                arguments (--families, --only, --fa4, --fla, --reinstate-contiguity-bug for the self-check). Families
 #                run in $MATRIX_JOBS processes side by side (default 0: one per 20 GiB of GPU memory, 3 on an H100, 7 on
-#                an H200; 8 on an H100 ran out of memory in 49 cells, which --resume runs again); no cell starts after $MATRIX_DEADLINE_S (520) s, and the
+#                an H200; 8 on an H100 ran out of memory in 54 cells, which --resume runs again); no cell starts after $MATRIX_DEADLINE_S (520) s, and the
 #                rows collect in outputs/gpu_matrix.jsonl, which a warm machine keeps: run the part again in the next
 #                call and it runs only the cells still missing (--resume). docs/gpu_matrix.md
 #   auto_memory  memory=auto through scripts/train.py: the Llama-3.2-1B shape at $AUTO_POINTS (default 16k-128k) and the

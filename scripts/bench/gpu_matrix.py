@@ -288,7 +288,7 @@ def table(paths) -> str:
 
 START = time.time()
 # the errors of a cell that found the GPU full: its neighbours' memory, not its own verdict (2026-12-06: 8 processes
-# side by side on an 80 GiB H100 ran out in 49 cells), so --resume runs such a cell again
+# side by side on an 80 GiB H100 ran out in 54 cells), so --resume runs such a cell again
 OUT_OF_MEMORY = ("OutOfMemoryError", "CUBLAS_STATUS_ALLOC_FAILED")
 # a process's peak on the matrix's largest families (12-19 GiB seen in those errors), with room: --jobs 0 runs as many
 # processes as fit the GPU's memory at this much each
