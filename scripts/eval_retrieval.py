@@ -34,6 +34,7 @@ from omegaconf import DictConfig  # noqa: E402
 
 from configs import HYDRA_CONF_DIR, ConfigError, register_configs, to_dataclass, validate  # noqa: E402
 from configs.compose import check_overrides  # noqa: E402
+from configs.precision import ALIGN_TOKENS  # noqa: E402
 from configs.retrieval import RetrievalEvalConfig  # noqa: E402
 from configs.train import TrainConfig  # noqa: E402
 from engine.checkpoints.export import RECORD, read_record  # noqa: E402
@@ -128,11 +129,18 @@ def resolve(cfg: RetrievalEvalConfig, world_size: int):
                           f"{limit} ({hf_dir / 'config.json'}); score lengths <= {limit}, e.g. "
                           f"lengths=[{min(limit, min(lengths))}]")
     micro = cfg.trainer.micro_batch_size
+    seq_len = max(lengths)
+    if cfg.precision == "fp8":
+        # data.seq_len only sizes the plan here: the scored rows keep their own lengths, and FP8's forward takes any.
+        # Training rows must be multiples of 16 x cp (configs/precision.py check_fp8: the weight gradient's GEMM), so
+        # the nominal length rounds up to one rather than refusing a length no backward will see
+        step = ALIGN_TOKENS * cfg.parallelism.cp
+        seq_len = -(-seq_len // step) * step
     train_cfg = TrainConfig(
         run=dataclasses.replace(cfg.run, out_dir=str(out_dir)),
         model=dataclasses.replace(cfg.model, source="pretrained", path=str(hf_dir), family=hf_cfg["model_type"],
                                   arch={k: hf_cfg[k] for k in _ARCH_KEYS if hf_cfg.get(k) is not None}),
-        data=dataclasses.replace(data, seq_len=max(lengths), eval_samples=0, eval_path=None,
+        data=dataclasses.replace(data, seq_len=seq_len, eval_samples=0, eval_path=None,
                                  passkey=dataclasses.replace(data.passkey, lengths=[], eval_lengths=[])),
         parallelism=cfg.parallelism, deepspeed=cfg.deepspeed,
         trainer=dataclasses.replace(cfg.trainer, max_steps=1, warmup_steps=0, eval_every=0, resume=False,

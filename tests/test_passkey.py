@@ -1,5 +1,6 @@
 """data=passkey and its retrieval score (issue 13): the generator, the teacher-forced exact match under CP, the
 agreement with greedy generate(), the refusals, and scripts/eval_retrieval.py end to end."""
+import dataclasses
 import hashlib
 import json
 import os
@@ -285,3 +286,19 @@ def test_eval_script_refuses_bad_requests_with_the_fix(tmp_path, args, message):
     cfg = eval_retrieval.compose([f"target={folder}", "device=cpu"] + args)
     with pytest.raises((ConfigError, DataError), match=message):
         eval_retrieval.resolve(cfg, 1)
+
+
+def test_eval_script_in_fp8_scores_lengths_no_training_row_could_have(tmp_path):
+    """Training refuses FP8 rows that are not multiples of 16 x cp (the weight gradient's GEMM); a scoring run has no
+    backward, so a length of 1,000 is scored, and the plan's nominal length rounds up instead of being refused."""
+    import eval_retrieval
+    from configs.precision import check_fp8
+    folder = tmp_path / "hf"
+    tiny_model("llama", vocab_size=512, max_position_embeddings=4096).save_pretrained(folder)
+    cfg = eval_retrieval.compose([f"target={folder}", "device=cuda", "precision=fp8", "parallelism.cp=2",
+                                  "lengths=[200,1000]"])
+    train_cfg, _, lengths, *_ = eval_retrieval.resolve(cfg, 2)
+    assert lengths == [200, 1000] and train_cfg.data.seq_len == 1024
+    check_fp8(train_cfg)  # the refusal a 1,000-token plan would meet
+    with pytest.raises(ConfigError, match=r"data.seq_len=1000 over parallelism.cp=2"):
+        check_fp8(dataclasses.replace(train_cfg, data=dataclasses.replace(train_cfg.data, seq_len=1000)))
