@@ -9,6 +9,7 @@ bound against bf16.
 from dataclasses import dataclass
 
 from configs.errors import one_of, require
+from ds_ulysses_ext.attention.layout import padded_length
 
 PRECISIONS = ("fp32", "bf16", "fp8")
 
@@ -73,4 +74,4 @@ def check_fp8(cfg) -> None:
             f"precision=fp8 needs each rank's slice of a row in multiples of {ALIGN_TOKENS} tokens (the FP8 weight "
             f"gradient's GEMM reduces over them); data.seq_len={cfg.data.seq_len} over parallelism.cp={cp} is not: "
             f"set data.seq_len to a multiple of {ALIGN_TOKENS * cp} (e.g. "
-            f"{-(-cfg.data.seq_len // (ALIGN_TOKENS * cp)) * ALIGN_TOKENS * cp}), or precision=bf16")
+            f"{padded_length(cfg.data.seq_len, ALIGN_TOKENS * cp)}), or precision=bf16")

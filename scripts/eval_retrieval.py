@@ -36,6 +36,7 @@ from configs import HYDRA_CONF_DIR, ConfigError, register_configs, to_dataclass,
 from configs.compose import check_overrides  # noqa: E402
 from configs.precision import ALIGN_TOKENS  # noqa: E402
 from configs.retrieval import RetrievalEvalConfig  # noqa: E402
+from ds_ulysses_ext.attention.layout import padded_length  # noqa: E402
 from configs.train import TrainConfig  # noqa: E402
 from engine.checkpoints.export import RECORD, read_record  # noqa: E402
 from engine.run.refusal import hush_other_ranks, hydra_started, reported  # noqa: E402
@@ -134,8 +135,7 @@ def resolve(cfg: RetrievalEvalConfig, world_size: int):
         # data.seq_len only sizes the plan here: the scored rows keep their own lengths, and FP8's forward takes any.
         # Training rows must be multiples of 16 x cp (configs/precision.py check_fp8: the weight gradient's GEMM), so
         # the nominal length rounds up to one rather than refusing a length no backward will see
-        step = ALIGN_TOKENS * cfg.parallelism.cp
-        seq_len = -(-seq_len // step) * step
+        seq_len = padded_length(seq_len, ALIGN_TOKENS * cfg.parallelism.cp)
     train_cfg = TrainConfig(
         run=dataclasses.replace(cfg.run, out_dir=str(out_dir)),
         model=dataclasses.replace(cfg.model, source="pretrained", path=str(hf_dir), family=hf_cfg["model_type"],
