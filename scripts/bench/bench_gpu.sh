@@ -131,7 +131,8 @@
 #                corpus (data=demo, $FP8_TRACK_SEQ tokens a row, default 4096, lr $FP8_TRACK_LR, default 1e-4) in bf16,
 #                in fp8 ($FP8_TRACK_ARGS more overrides, e.g. fp8.linears=all) and a rounding-only control (bf16, loss
 #                chunks of 1024); the fp8 and control losses against bf16's (max, mean |dloss|) and each run's last
-#                eval loss; $OUT/fp8_track_<run>.jsonl
+#                eval loss; $OUT/fp8_track_<run>.jsonl. $FP8_TRACK_KINDS: the runs (default "bf16 fp8 control");
+#                $FP8_TRACK_REF: a stored track (docs/results/*/fp8_track_losses.jsonl), compared against as well
 #   gpu_matrix   the GPU exactness matrix (scripts/bench/gpu_matrix.py): every family at a small shape with its real head dims,
 #                each model.kernels, every preset memory=auto can choose, zero0 / zero3, the optimizer step in backward,
 #                packed documents, against the fp32 eager unsplit model; $OUT/gpu_matrix.jsonl; $MATRIX_ARGS: more
@@ -343,7 +344,7 @@ for name, a in zip(('liger', 'control'), runs):
                  python3 .bench/anchor-bench/model_bench.py --seq ${p%%:*} --variant hf --liger --fp8 ${FP8_RECIPE:-tensorwise} \
                    --warmup 1 --reps 3 ${ANCHOR_SHAPE:-} 2>&1 | grep -E "RESULT|Error" | tail -2 | tee -a "$OUT/fp8_equal.jsonl"
                done ;;
-    fp8_track) for k in bf16 fp8 control; do
+    fp8_track) for k in ${FP8_TRACK_KINDS:-bf16 fp8 control}; do
                  case $k in bf16) a="precision=bf16" ;; fp8) a="precision=fp8 ${FP8_TRACK_ARGS:-}" ;;
                              control) a="precision=bf16 trainer.loss_chunk_size=1024" ;; esac  # rounding only
                  python3 -m torch.distributed.run --standalone --nproc_per_node=1 scripts/train.py model=${FP8_TRACK_MODEL:-llama3_2_1b} \
@@ -353,14 +354,23 @@ for name, a in zip(('liger', 'control'), runs):
                    deepspeed.master_weights=bf16 logging.progress_bar=false run.name=fp8_track_$k $a > "$OUT/fp8_track_$k.log" 2>&1
                  echo "fp8_track $k rc=$?"; cp outputs/fp8_track_$k/metrics.jsonl "$OUT/fp8_track_$k.jsonl"
                done
-               python3 -c "import json, sys
-rows = [[json.loads(l) for l in open(f)] for f in sys.argv[1:]]
-ref, *runs = ([r['loss'] for r in rs if 'loss' in r] for rs in rows)
-evals = [[r['eval_loss'] for r in rs if 'eval_loss' in r][-1:] for rs in rows]
-for name, a in zip(('fp8', 'control'), runs):
-    d = [abs(x - y) for x, y in zip(a, ref)]
-    print(f'fp8_track {name} vs bf16: {len(d)} steps, max |dloss| {max(d):.3e}, mean {sum(d) / len(d):.3e}, last {d[-1]:.3e}')
-print('fp8_track last eval loss bf16 / fp8 / control:', evals)" \
+               # each run against this call's bf16, and against a stored track's columns ($FP8_TRACK_REF: a
+               # fp8_track_losses.jsonl of docs/results/, one row a step, a column a run) where one is named
+               python3 -c "import json, os, sys
+runs = {os.path.basename(f)[10:-6]: [json.loads(l) for l in open(f)] for f in sys.argv[1:] if os.path.exists(f)}
+losses = {k: [r['loss'] for r in rs if 'loss' in r] for k, rs in runs.items()}
+ref = os.environ.get('FP8_TRACK_REF')
+if ref:
+    stored = [json.loads(l) for l in open(ref)][1:]
+    losses.update({'stored_' + c: [r[c] for r in stored] for c in ('bf16', 'control')})
+def compare(name, a, b, against):
+    d = [abs(x - y) for x, y in zip(a, b)]
+    print(f'fp8_track {name} vs {against}: {len(d)} steps, max |dloss| {max(d):.3e}, mean {sum(d) / len(d):.3e}, last {d[-1]:.3e}')
+for against in ('bf16', 'stored_bf16'):
+    for name, a in losses.items():
+        if against in losses and name != against:
+            compare(name, a, losses[against], against)
+print('fp8_track last eval loss:', {k: [r['eval_loss'] for r in rs if 'eval_loss' in r][-1:] for k, rs in runs.items()})" \
                  "$OUT/fp8_track_bf16.jsonl" "$OUT/fp8_track_fp8.jsonl" "$OUT/fp8_track_control.jsonl" ;;
     gpu_matrix) python3 scripts/bench/gpu_matrix.py --jobs ${MATRIX_JOBS:-0} --deadline-s ${MATRIX_DEADLINE_S:-520} \
                     --resume --out outputs/gpu_matrix.jsonl ${MATRIX_ARGS:-} 2>&1 | grep -E '^\{|gpu_matrix' \
