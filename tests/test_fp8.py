@@ -296,6 +296,15 @@ def test_whole_mlp_regions_beside_attention_linears_in_fp8():
     assert grads.keys() == grads_ref.keys() and all(torch.equal(grads[n], grads_ref[n]) for n in grads)
 
 
+def test_regions_under_the_mlp_default_report_the_mlp_regions_only():
+    # fp8.compile=regions (auto's choice for tensorwise) with fp8.linears=mlp: q/k/v stay bf16, so no q/k/v region
+    # forms, and the log and metrics say `mlp`, what ran
+    _, _, _, calls, report = _eager_and_regions("mlp", "eager", seed=4, compile_casts="regions")
+    assert (report.whole_mlps, report.qkv_regions) == (2, 0) and "_qkv" not in calls, (report, calls)
+    assert report.as_dict()["compiled"] == "mlp", report
+    assert "q/k/v" not in str(report)
+
+
 @pytest.mark.parametrize("policy", ["none", "except_attention"])
 def test_qkv_regions_equal_eager_casts(policy):
     # fp8.compile=regions with fp8.linears=all: each attention's q/k/v one region, bound as a projection group (q's
@@ -304,7 +313,7 @@ def test_qkv_regions_equal_eager_casts(policy):
     from ds_ulysses_ext.memory import ExceptAttentionRecompute
     ids, ref, got, calls, report = _eager_and_regions("all", "aot_eager", seed=2, compile_casts="regions",
                                                       integrate=True)
-    assert (report.whole_mlps, report.qkv_regions) == (2, 2), report
+    assert (report.whole_mlps, report.qkv_regions) == (2, 2) and report.as_dict()["compiled"] == "regions", report
     assert "2 gated MLPs whole, 2 q/k/v groups as one region each" in str(report)
     assert calls.count("_qkv") == 2 and calls.count("LlamaMLP.forward") == 2 and len(calls) == 4 + 14, calls
     if policy == "except_attention":
@@ -338,6 +347,7 @@ def test_whole_mlp_regions_stay_off_under_zero3_and_per_linear():
         model, calls = _tiny(), []
         report = apply_fp8(model, "tensorwise", "mlp", compile_fn=_eager_compile(calls), **kwargs)
         assert report.whole_mlps == 0 and len(calls) == 6, (kwargs, calls)
+        assert report.as_dict()["compiled"] == "linear", report  # what formed, not the setting
         assert all("forward" not in layer.mlp.__dict__ for layer in model.model.layers)
         if kwargs.get("partitioned"):
             assert "ZeRO-3 partitions the weights" in str(report)

@@ -50,10 +50,10 @@ class Fp8Report:
     recipe: str
     fp8: Counter = field(default_factory=Counter)  # leaf name -> how many run in FP8
     bf16: dict = field(default_factory=dict)  # leaf name -> why it stays bf16
-    compiled: str = "false"  # fp8.compile as it ran: regions, mlp, linear or false
+    compiled: str = "false"  # the casts' compiled regions as they formed: regions, mlp, linear or false
     whole_mlps: int = 0  # gated MLPs compiled as one region (compiled=mlp); their linears' own forwards compiled too
     qkv_regions: int = 0  # attention modules whose q/k/v run as one compiled region (compiled=regions)
-    per_linear_why: str = ""  # why compiled=mlp fell back to compiling each linear alone, where it did
+    per_linear_why: str = ""  # why fp8.compile=mlp / regions fell back to compiling each linear alone, where it did
 
     def as_dict(self) -> dict:
         return {"recipe": self.recipe, "fp8_linears": dict(sorted(self.fp8.items())),
@@ -187,6 +187,9 @@ def apply_fp8(hf_model: torch.nn.Module, recipe: str, linears: str, compile_cast
                     report.qkv_regions += 1
             if not report.whole_mlps and not report.qkv_regions:
                 report.per_linear_why = "no gated MLP of a known class has all three projections in FP8"
+        # the log and metrics name the regions that formed, not the setting: `regions` under fp8.linears=mlp forms no
+        # q/k/v region, and ZeRO-3's partitions or an unknown MLP class leave each linear alone
+        report.compiled = ("regions" if report.qkv_regions else "mlp" if report.whole_mlps else "linear")
     return report
 
 
