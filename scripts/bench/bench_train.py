@@ -107,7 +107,7 @@ def main():
                          "each phase boundary (three drains of the queue per step, which the anchors do not pay); "
                          "off, the step runs as a user's does (the config's default)")
     ap.add_argument("extra", nargs="*", help="more Hydra overrides for our runs")
-    args = ap.parse_args()
+    args = ap.parse_intermixed_args()  # overrides may follow options too ($EXTRA of bench_gpu.sh carries both)
     args.cp = args.cp or args.nproc
     out_root = Path(os.environ.get("OUT", ROOT / "outputs" / "bench"))
     out_root.mkdir(parents=True, exist_ok=True)
