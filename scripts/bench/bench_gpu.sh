@@ -176,7 +176,7 @@ for part in ${*:-attn train_short train_long}; do
                    --anchors hf --steps 4 ${EXTRA:-} ;;
     profile_16k) OUT=$OUT/prof python3 scripts/bench/bench_train.py --points ${PROF_POINT:-16384:full_recompute} --steps 4 \
                    logging.profile_step=4 ${EXTRA:-} --deepspeed ${PROF_DS:-zero3}
-                 prof=$(ls -d "$OUT"/prof/ours_*_cp1 | head -1)
+                 prof=$(ls -d "$OUT"/prof/ours_*_cp1* | head -1)  # _fp8: the precision suffix
                  cp "$prof/profile_step4_rank0.txt" "$OUT/0_profile_16k.txt"
                  python3 scripts/bench/trace_phases.py "$prof/profile_step4_rank0.json" --top 12 | tee "$OUT/0_phases_16k.txt" ;;
     memory_16k) OUT=$OUT/mem python3 scripts/bench/bench_train.py --points ${MEM_POINT:-16384:full_recompute} --steps 3 \
@@ -328,7 +328,8 @@ for name, a in zip(('liger', 'control'), runs):
                    ${EXTRA:-} | grep RESULT | cut -c1-1200 \
                    | tee -a "$OUT/fp8_short.jsonl"
                done
-               for p in ${pts//,/ }; do
+               for p in ${pts//,/ }; do  # FP8_ANCHORS=0: ours only (e.g. at a recompute preset, beside --no-ckpt's rows)
+                 [ "${FP8_ANCHORS:-1}" = 0 ] && break
                  python3 .bench/anchor-bench/model_bench.py --seq ${p%%:*} --variant hf --liger --fp8 ${FP8_RECIPE:-tensorwise} \
                    --no-ckpt --warmup 1 --reps 3 ${ANCHOR_SHAPE:-} 2>&1 | grep -E "RESULT|Error" | tail -2 | tee -a "$OUT/fp8_short.jsonl"
                done ;;
