@@ -56,10 +56,11 @@ _TASK_FIELDS = ("key", "key_length", "num_needles", "num_distractors", "filler")
 @hydra.main(version_base="1.3", config_path="../hydra_conf", config_name="eval_retrieval")
 def main(dict_cfg: DictConfig) -> None:
     hydra_started()
-    from engine.ds.distributed import shutdown_distributed
+    from engine.ds.distributed import exit_after_success, shutdown_distributed
     with reported():
         run(to_eval_config(dict_cfg))
     shutdown_distributed()  # reached only when the evaluation ended normally
+    exit_after_success()  # no finalisation: it can abort on gloo's leftover threads (engine/ds/distributed.py)
 
 
 def to_eval_config(dict_cfg) -> RetrievalEvalConfig:

@@ -381,6 +381,32 @@ def _shutdown_in_a_fresh_process(store, report):
     report.put(dist.is_initialized())
 
 
+def test_exit_after_success_skips_finalisation_but_keeps_every_output(tmp_path):
+    # scripts/train.py and eval_retrieval.py end with it: finalisation can abort on gloo's leftover threads
+    # (engine/ds/distributed.py exit_after_success). What the process printed and logged must still arrive, and
+    # its exit code must say success; an atexit handler stands for finalisation's work, which must not run
+    import subprocess
+    import sys
+    code = f"""
+import atexit, logging, pathlib
+atexit.register(lambda: pathlib.Path({str(tmp_path / 'finalised')!r}).write_text('ran'))
+logging.basicConfig(filename={str(tmp_path / 'run.log')!r}, level=logging.INFO)
+logging.getLogger('run').info('logged before the exit')
+print('printed before the exit')  # block-buffered: stdout is a pipe
+from engine.ds.distributed import exit_after_success
+exit_after_success()
+raise SystemExit(3)  # never reached
+"""
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120,
+                          env={**{k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"},
+                               "PYTHONPATH": str(root)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().endswith("printed before the exit")
+    assert "logged before the exit" in (tmp_path / "run.log").read_text()
+    assert not (tmp_path / "finalised").exists()
+
+
 def test_shutdown_destroys_the_process_groups(tmp_path):
     # scripts/train.py and eval_retrieval.py end with it: gloo's threads left to the interpreter's exit can abort the
     # process after a successful run (engine/ds/distributed.py shutdown_distributed)
