@@ -63,12 +63,9 @@ def init_distributed(rt: Runtime) -> None:
 
 
 def shutdown_distributed() -> None:
-    """Destroy the process groups at the end of a run that ended normally on this rank.
-
-    Without it, gloo's worker threads can outlive the interpreter's finalisation and abort the process at exit
-    (SIGABRT, "terminate called without an active exception"): the launcher then reports a failed run after the
-    run's outputs were written (seen once in tests/test_engine.py's torchrun smoke test). Only after success: a rank
-    that raised must not wait in a collective teardown for ranks that may never reach it."""
+    """Destroy the process groups at the end of a run that ended normally on this rank (torch's documented
+    teardown; the groups DeepSpeed still references live on, hence exit_after_success next). Only after success: a
+    rank that raised must not wait in a collective teardown for ranks that may never reach it."""
     if torch.distributed.is_initialized():
         torch.distributed.barrier()  # no rank tears its side of a group down while another still works on it
         torch.distributed.destroy_process_group()
