@@ -36,8 +36,8 @@ from configs import HYDRA_CONF_DIR, ConfigError, register_configs, to_dataclass,
 from configs.compose import check_overrides  # noqa: E402
 from configs.precision import ALIGN_TOKENS  # noqa: E402
 from configs.retrieval import RetrievalEvalConfig  # noqa: E402
-from ds_ulysses_ext.attention.layout import padded_length  # noqa: E402
 from configs.train import TrainConfig  # noqa: E402
+from ds_ulysses_ext.attention.layout import padded_length  # noqa: E402
 from engine.checkpoints.export import RECORD, read_record  # noqa: E402
 from engine.run.refusal import hush_other_ranks, hydra_started, reported  # noqa: E402
 
@@ -56,11 +56,10 @@ _TASK_FIELDS = ("key", "key_length", "num_needles", "num_distractors", "filler")
 @hydra.main(version_base="1.3", config_path="../hydra_conf", config_name="eval_retrieval")
 def main(dict_cfg: DictConfig) -> None:
     hydra_started()
-    from engine.ds.distributed import exit_after_success, shutdown_distributed
+    from engine.ds.distributed import exit_after_success
     with reported():
         run(to_eval_config(dict_cfg))
-    shutdown_distributed()  # reached only when the evaluation ended normally
-    exit_after_success()  # no finalisation: it can abort on gloo's leftover threads (engine/ds/distributed.py)
+    exit_after_success()  # reached only when the evaluation ended normally: groups destroyed, no finalisation
 
 
 def to_eval_config(dict_cfg) -> RetrievalEvalConfig:

@@ -37,11 +37,10 @@ warnings.filterwarnings("ignore", message=r".*(all_gather_into_tensor|reduce_sca
 @hydra.main(version_base="1.3", config_path="../hydra_conf", config_name="train")
 def main(dict_cfg: DictConfig) -> None:
     hydra_started()
-    from engine.ds.distributed import exit_after_success, shutdown_distributed
+    from engine.ds.distributed import exit_after_success
     with reported():  # a refusal: its message once, not a traceback per rank (Hydra would print each)
         run(to_dataclass(dict_cfg))  # from here on: typed dataclasses only
-    shutdown_distributed()  # reached only when the run ended normally
-    exit_after_success()  # no finalisation: it can abort on gloo's leftover threads (engine/ds/distributed.py)
+    exit_after_success()  # reached only when the run ended normally: groups destroyed, no finalisation
 
 
 def run(cfg: TrainConfig) -> dict:

@@ -64,15 +64,16 @@ def init_distributed(rt: Runtime) -> None:
 
 def shutdown_distributed() -> None:
     """Destroy the process groups at the end of a run that ended normally on this rank (torch's documented
-    teardown; the groups DeepSpeed still references live on, hence exit_after_success next). Only after success: a
-    rank that raised must not wait in a collective teardown for ranks that may never reach it."""
+    teardown; the groups DeepSpeed still references live on: scripts end through exit_after_success, which calls
+    this). Only after success: a rank that raised must not wait in a collective teardown for ranks that may never
+    reach it."""
     if torch.distributed.is_initialized():
         torch.distributed.barrier()  # no rank tears its side of a group down while another still works on it
         torch.distributed.destroy_process_group()
 
 
 def exit_after_success() -> None:
-    """End a process whose run ended normally, without the interpreter's finalisation (after shutdown_distributed).
+    """End a process whose run ended normally: shutdown_distributed, then no interpreter finalisation.
 
     destroy_process_group drops torch's registry only: a gloo group's threads live as long as any reference to it,
     and after a run some stay referenced where the garbage collector does not reach them (at world 2 with cp=2,
@@ -86,6 +87,7 @@ def exit_after_success() -> None:
     standard streams are flushed here."""
     import logging
     import sys
+    shutdown_distributed()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
