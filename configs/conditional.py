@@ -103,7 +103,7 @@ CONDITIONAL: dict[str, Rule] = {
 }
 
 UNCONDITIONAL = (
-    "run.seed", "run.out_dir", "run.name", "precision", "device",
+    "run.seed", "run.out_dir", "run.name", "precision", "device", "dist_backend",
     # model.arch: the whole shape under source=config; under pretrained the checkpoint's config.json is the truth
     # and arch only repeats its counts for the checks before the load
     "model.name", "model.family", "model.source", "model.arch", "model.attn_backend", "model.kernels",

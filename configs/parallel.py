@@ -174,3 +174,18 @@ def resolve_ring(cfg) -> tuple[int, str]:
         f"{fmt(valid)} or parallelism.ring=auto",
     )
     return ring, why
+
+
+def check_dist_backend(cfg: "TrainConfig", ring: int) -> None:
+    """dist_backend against the device and the ring. Called by validate() once the ring is resolved."""
+    import torch
+    on_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    require(on_cuda or cfg.dist_backend != "nccl",
+            f"dist_backend=nccl needs CUDA, and this run is on the CPU (device={cfg.device}); set dist_backend=auto "
+            "(gloo on CPU) or device=cuda")
+    # gloo's send/recv hand the tensor's pointer to a host transport, unlike its collectives, which stage CUDA
+    # tensors through pinned host copies (torch's ProcessGroupGloo): a ring's K/V hop would read device memory as
+    # host memory
+    require(not (on_cuda and cfg.dist_backend == "gloo" and ring > 1),
+            f"dist_backend=gloo on CUDA cannot run the ring (parallelism.ring={ring}): gloo's point-to-point sends "
+            "take host memory only; set parallelism.ring=1 with a cp that splits the heads, or dist_backend=auto")

@@ -13,6 +13,7 @@ from configs.run import RunConfig
 from configs.trainer import TrainerConfig
 
 DEVICES = ("auto", "cuda", "cpu")
+DIST_BACKENDS = ("auto", "nccl", "gloo")
 
 
 @dataclass
@@ -31,3 +32,7 @@ class TrainConfig:
     precision: str = "bf16"
     fp8: Fp8Config = field(default_factory=Fp8Config)
     device: str = "auto"  # auto = cuda when available, else cpu (gloo)
+    # the collectives' backend. auto: NCCL on CUDA, gloo on CPU. gloo on CUDA stages every collective through host
+    # memory and lets the ranks of a host share fewer GPUs than they are (rank i on GPU i mod count): slow, for
+    # checking a multi-rank layout's numbers on a one-GPU machine (cp=2 in FP8, ZeRO-3 at world 2), never for speed
+    dist_backend: str = "auto"

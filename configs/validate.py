@@ -21,9 +21,9 @@ from configs.memory import RECOMPUTE_METHODS, RECOMPUTE_POLICIES, check_memory
 from configs.model import (ATTN_BACKENDS, MODEL_SOURCES, SUPPORTED_FAMILIES, check_model, check_positions, check_rope,
                            shape_arch)
 from configs.moe import check_moe
-from configs.parallel import MASTER_WEIGHTS, check_deepspeed, check_parallelism, resolve_ring
+from configs.parallel import MASTER_WEIGHTS, check_deepspeed, check_dist_backend, check_parallelism, resolve_ring
 from configs.precision import PRECISIONS, check_fp8
-from configs.train import DEVICES, TrainConfig
+from configs.train import DEVICES, DIST_BACKENDS, TrainConfig
 from configs.trainer import check_batch, check_eval, check_optimizer_in_backward, check_trainer
 from ds_ulysses_ext.kernels import KERNEL_MODES, LOSS_HEADS
 
@@ -66,6 +66,7 @@ def validate(cfg: TrainConfig, world_size: int) -> Plan:
     check_linear_attention(cfg, world_size)  # before the head and ring rules: they do not know linear layers
     dp = check_parallelism(cfg, world_size)
     ring, ring_reason = resolve_ring(cfg)
+    check_dist_backend(cfg, ring)
     check_moe(cfg, world_size)
     check_positions(cfg, ring)  # after parallelism.cp/ring are known to be valid: the padding depends on them
     check_rope(cfg)
@@ -98,6 +99,7 @@ def _check_choices(cfg: TrainConfig) -> None:
     )
     one_of("precision", cfg.precision, PRECISIONS)
     one_of("device", cfg.device, DEVICES)
+    one_of("dist_backend", cfg.dist_backend, DIST_BACKENDS)
     one_of("deepspeed.master_weights", cfg.deepspeed.master_weights, MASTER_WEIGHTS)
     families = ", ".join(SUPPORTED_FAMILIES)
     require(

@@ -266,6 +266,12 @@ REFUSALS = [
     ("liger_head_without_liger", ["model.loss_head=liger", "model.kernels=compile"], 2,
      r"model\.loss_head=liger runs Liger-Kernel's head, and model\.kernels=compile does not load Liger; set "
      r"model\.kernels=liger"),
+    ("dist_backend", ["dist_backend=mpi"], 2, r"dist_backend=mpi is not one of \{auto, nccl, gloo\}"),
+    ("nccl_on_cpu", ["device=cpu", "dist_backend=nccl"], 2,
+     r"dist_backend=nccl needs CUDA, and this run is on the CPU \(device=cpu\); set dist_backend=auto"),
+    ("gloo_ring_on_cuda", ["device=cuda", "dist_backend=gloo", "parallelism.cp=4", "parallelism.ring=2"], 4,
+     r"dist_backend=gloo on CUDA cannot run the ring \(parallelism\.ring=2\): gloo's point-to-point sends take "
+     r"host memory only; set parallelism\.ring=1"),
 ]
 
 
@@ -274,6 +280,13 @@ def test_refusal_names_field_and_fix(overrides, world_size, message):
     cfg = compose_config(overrides)
     with pytest.raises(ConfigError, match=message):
         validate(cfg, world_size=world_size)
+
+
+def test_gloo_runs_ulysses_on_cuda_and_the_ring_on_cpu():
+    """The ring refusal is about CUDA memory only: gloo on CPU runs every ring, and on CUDA pure Ulysses runs."""
+    assert validate(compose_config(["device=cuda", "dist_backend=gloo", "parallelism.cp=2"]), 2).cp == 2
+    assert validate(compose_config(["device=cpu", "dist_backend=gloo", "parallelism.cp=4", "parallelism.ring=2"]),
+                    4).ring == 2
 
 
 def test_random_init_without_arch_is_refused():

@@ -11,7 +11,7 @@ import torch
 
 from configs import Plan
 from dist_harness import run_ranks
-from engine.ds.distributed import Runtime, cp_placement_warning
+from engine.ds.distributed import Runtime, check_shared_gpu, cp_placement_warning, read_runtime
 from engine.ds.grad_reduction import loss_scale
 from engine.ds.hf_config import position_warning
 from engine.run.schedule import build_scheduler, lr_factor
@@ -417,3 +417,31 @@ def test_shutdown_destroys_the_process_groups(tmp_path):
     child.start()
     child.join(60)
     assert child.exitcode == 0 and report.get() is False
+
+
+def _fake_gpus(monkeypatch, count: int, local_rank: int, local_world: int):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_world))
+    monkeypatch.setenv("RANK", str(local_rank))
+    monkeypatch.setenv("WORLD_SIZE", str(local_world))
+
+
+def test_ranks_share_a_gpu_only_over_gloo(monkeypatch):
+    from configs import ConfigError
+    _fake_gpus(monkeypatch, count=1, local_rank=1, local_world=2)
+    rt = read_runtime("auto", "gloo")
+    assert (rt.device, rt.backend, rt.shares_gpu) == (torch.device("cuda", 0), "gloo", True)
+    with pytest.raises(ConfigError, match=r"2 ranks on this host and 1 GPU\(s\) visible: launch at most 1 rank\(s\) "
+                                          r"per host, or set dist_backend=gloo"):
+        read_runtime("auto", "auto")
+    _fake_gpus(monkeypatch, count=1, local_rank=0, local_world=2)  # rank 0 has a GPU, and still refuses: all ranks say it
+    with pytest.raises(ConfigError, match="dist_backend=gloo"):
+        read_runtime("cuda", "nccl")
+    with pytest.raises(ConfigError, match=r"memory=auto sizes each rank's preset for a GPU of its own"):
+        check_shared_gpu(read_runtime("auto", "gloo"), memory_auto=True)
+    _fake_gpus(monkeypatch, count=2, local_rank=1, local_world=2)  # a GPU each: NCCL, nothing shared
+    rt = read_runtime("auto", "auto")
+    assert (rt.device, rt.backend, rt.shares_gpu) == (torch.device("cuda", 1), "nccl", False)
+    check_shared_gpu(rt, memory_auto=True)

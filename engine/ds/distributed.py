@@ -1,16 +1,19 @@
 """Process start-up: ranks from the environment, the device, and the process group.
 
 Works under `deepspeed --no_local_rank`, plain `deepspeed` (scripts/train.py drops the stray
---local_rank=N), `torchrun`, and a plain `python` (world 1). NCCL on GPUs, gloo on CPUs.
+--local_rank=N), `torchrun`, and a plain `python` (world 1). NCCL on GPUs, gloo on CPUs; gloo on GPUs where
+dist_backend=gloo asks for it, and then the ranks of a host may share fewer GPUs (configs/train.py).
 """
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from dataclasses import dataclass
 
 import torch
 
+from configs.errors import require
 from ds_ulysses_ext.topology import cp_group_ranks
 
 
@@ -20,21 +23,51 @@ class Runtime:
     local_rank: int
     world_size: int
     device: torch.device
+    backend: str = "gloo"  # the default process group's: nccl | gloo
+    shares_gpu: bool = False  # more ranks on this host than GPUs: rank i on GPU i mod count (gloo only)
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
 
-def read_runtime(device_pref: str = "auto") -> Runtime:
+def read_runtime(device_pref: str = "auto", backend: str = "auto") -> Runtime:
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     use_cuda = device_pref == "cuda" or (device_pref == "auto" and torch.cuda.is_available())
     if use_cuda and not torch.cuda.is_available():
         raise RuntimeError("device=cuda requested but no CUDA device is visible; use device=cpu or auto")
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-    return Runtime(rank=rank, local_rank=local_rank, world_size=world, device=device)
+    if not use_cuda:
+        return Runtime(rank=rank, local_rank=local_rank, world_size=world, device=torch.device("cpu"))
+    backend = "nccl" if backend == "auto" else backend
+    count = torch.cuda.device_count()
+    shares = local_rank >= count or _local_world() > count
+    # NCCL refuses two ranks on one GPU ("Duplicate GPU detected") only after the model is built; every rank says
+    # it here, before anything is loaded
+    require(not shares or backend == "gloo",
+            f"{_local_world()} ranks on this host and {count} GPU(s) visible: launch at most {count} rank(s) per "
+            "host, or set dist_backend=gloo to let ranks share a GPU (slow: for checking a layout's numbers, not "
+            "for speed)")
+    return Runtime(rank=rank, local_rank=local_rank, world_size=world, device=torch.device("cuda", local_rank % count),
+                   backend=backend, shares_gpu=shares)
+
+
+def check_shared_gpu(rt: Runtime, memory_auto: bool) -> None:
+    """Ranks that share a GPU: refuse memory=auto, which sizes each rank's preset for a GPU of its own; say once
+    that the run is slow by design."""
+    if not rt.shares_gpu:
+        return
+    require(not memory_auto, "memory=auto sizes each rank's preset for a GPU of its own, and these ranks share one "
+            "(dist_backend=gloo with more ranks than GPUs); pick a preset: memory=none, memory=full_recompute, ...")
+    if rt.is_main:
+        logging.getLogger(__name__).warning(
+            "ranks share GPU(s) over gloo (dist_backend=gloo, more ranks on this host than GPUs): every collective is "
+            "staged through host memory; the numbers are the layout's, the speed is not")
+
+
+def _local_world() -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", 1)))
 
 
 def init_distributed(rt: Runtime) -> None:
@@ -48,6 +81,10 @@ def init_distributed(rt: Runtime) -> None:
         os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1"))
     else:
         torch.cuda.set_device(rt.device)
+        if rt.shares_gpu:
+            # DeepSpeed places the engine and ZeRO-3's partitions on cuda:$LOCAL_RANK (runtime/engine.py,
+            # zero/partition_parameters.py); a rank that shares a GPU names the shared one
+            os.environ["LOCAL_RANK"] = str(rt.device.index)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
     os.environ.setdefault("RANK", str(rt.rank))
@@ -59,7 +96,7 @@ def init_distributed(rt: Runtime) -> None:
     one_pass_zero2_grad_norm()
     clip_inside_fused_adam()
     if not torch.distributed.is_initialized():
-        deepspeed.init_distributed(dist_backend="nccl" if rt.device.type == "cuda" else "gloo")
+        deepspeed.init_distributed(dist_backend=rt.backend)
 
 
 def shutdown_distributed() -> None:
@@ -85,7 +122,6 @@ def exit_after_success() -> None:
     tests/test_passkey.py's eval_retrieval at world 2. Every file a run writes is closed before this point
     (metrics and W&B in the training loop's `finally`, checkpoints, exports, plots); logging's handlers and the
     standard streams are flushed here."""
-    import logging
     import sys
     shutdown_distributed()
     logging.shutdown()

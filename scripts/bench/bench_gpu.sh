@@ -131,7 +131,9 @@
 #                corpus (data=demo, $FP8_TRACK_SEQ tokens a row, default 4096, lr $FP8_TRACK_LR, default 1e-4) in bf16,
 #                in fp8 ($FP8_TRACK_ARGS more overrides, e.g. fp8.linears=all) and a rounding-only control (bf16, loss
 #                chunks of 1024); the fp8 and control losses against bf16's (max, mean |dloss|) and each run's last
-#                eval loss; $OUT/fp8_track_<run>.jsonl. $FP8_TRACK_KINDS: the runs (default "bf16 fp8 control");
+#                eval loss; $OUT/fp8_track_<run>.jsonl. $FP8_TRACK_KINDS: the runs (default "bf16 fp8 control";
+#                also bf16_cp2 and fp8_cp2: world 2, parallelism.cp=2, ZeRO-3 (the default preset), both ranks on the
+#                one GPU over gloo (dist_backend=gloo), each compared with its cp=1 run as well);
 #                $FP8_TRACK_REF: a stored track (docs/results/*/fp8_track_losses.jsonl), compared against as well
 #   gpu_matrix   the GPU exactness matrix (scripts/bench/gpu_matrix.py): every family at a small shape with its real head dims,
 #                each model.kernels, every preset memory=auto can choose, zero0 / zero3, the optimizer step in backward,
@@ -346,10 +348,13 @@ for name, a in zip(('liger', 'control'), runs):
                    --warmup 1 --reps 3 ${ANCHOR_SHAPE:-} 2>&1 | grep -E "RESULT|Error" | tail -2 | tee -a "$OUT/fp8_equal.jsonl"
                done ;;
     fp8_track) for k in ${FP8_TRACK_KINDS:-bf16 fp8 control}; do
+                 n=1; cp="parallelism.cp=1"
                  case $k in bf16) a="precision=bf16" ;; fp8) a="precision=fp8 ${FP8_TRACK_ARGS:-}" ;;
-                             control) a="precision=bf16 trainer.loss_chunk_size=1024" ;; esac  # rounding only
-                 python3 -m torch.distributed.run --standalone --nproc_per_node=1 scripts/train.py model=${FP8_TRACK_MODEL:-llama3_2_1b} \
-                   data=demo data.seq_len=${FP8_TRACK_SEQ:-4096} data.eval_samples=16 parallelism.cp=1 trainer.global_batch_size=1 \
+                             control) a="precision=bf16 trainer.loss_chunk_size=1024" ;;  # rounding only
+                             bf16_cp2) a="precision=bf16"; n=2; cp="parallelism.cp=2 dist_backend=gloo" ;;
+                             fp8_cp2) a="precision=fp8 ${FP8_TRACK_ARGS:-}"; n=2; cp="parallelism.cp=2 dist_backend=gloo" ;; esac
+                 python3 -m torch.distributed.run --standalone --nproc_per_node=$n scripts/train.py model=${FP8_TRACK_MODEL:-llama3_2_1b} \
+                   data=demo data.seq_len=${FP8_TRACK_SEQ:-4096} data.eval_samples=16 $cp trainer.global_batch_size=1 \
                    trainer.max_steps=${FP8_TRACK_STEPS:-500} trainer.warmup_steps=20 trainer.lr=${FP8_TRACK_LR:-1e-4} \
                    trainer.eval_every=${FP8_TRACK_STEPS:-500} trainer.save_at_end=false trainer.export_hf=false \
                    deepspeed.master_weights=bf16 logging.progress_bar=false run.name=fp8_track_$k $a > "$OUT/fp8_track_$k.log" 2>&1
@@ -371,8 +376,12 @@ for against in ('bf16', 'stored_bf16'):  # this call's runs against the stored b
     for name, a in losses.items():
         if against in losses and name != against and not (against.startswith('stored') and name.startswith('stored')):
             compare(name, a, losses[against], against)
+for name, a in losses.items():  # a layout against the same precision at cp=1
+    if name.endswith('_cp2') and name[:-4] in losses:
+        compare(name, a, losses[name[:-4]], name[:-4])
 print('fp8_track last eval loss:', {k: [r['eval_loss'] for r in rs if 'eval_loss' in r][-1:] for k, rs in runs.items()})" \
-                 "$OUT/fp8_track_bf16.jsonl" "$OUT/fp8_track_fp8.jsonl" "$OUT/fp8_track_control.jsonl" ;;
+                 "$OUT/fp8_track_bf16.jsonl" "$OUT/fp8_track_fp8.jsonl" "$OUT/fp8_track_control.jsonl" \
+                 "$OUT/fp8_track_bf16_cp2.jsonl" "$OUT/fp8_track_fp8_cp2.jsonl" ;;
     gpu_matrix) python3 scripts/bench/gpu_matrix.py --jobs ${MATRIX_JOBS:-0} --deadline-s ${MATRIX_DEADLINE_S:-520} \
                     --resume --out outputs/gpu_matrix.jsonl ${MATRIX_ARGS:-} 2>&1 | grep -E '^\{|gpu_matrix' \
                   | cut -c1-400; cp outputs/gpu_matrix.jsonl "$OUT/" ;;
