@@ -146,7 +146,8 @@ def resolve(cfg: RetrievalEvalConfig, world_size: int):
         trainer=dataclasses.replace(cfg.trainer, max_steps=1, warmup_steps=0, eval_every=0, resume=False,
                                     global_batch_size=micro * (world_size // cfg.parallelism.cp),
                                     export_hf=False, save_at_end=False),
-        memory=cfg.memory, logging=cfg.logging, precision=cfg.precision, device=cfg.device)
+        memory=cfg.memory, logging=cfg.logging, precision=cfg.precision, device=cfg.device,
+        dist_backend=cfg.dist_backend)
     tokenizer = tokenizer_of(train_cfg.data)  # the target's own when it ships one, else the shipped one
     task = PasskeyTask(train_cfg.data.passkey, tokenizer, train_cfg.data.path)
     task.make(random.Random(0), min(lengths))  # a key that does not fit the shortest length fails here
@@ -157,12 +158,13 @@ def resolve(cfg: RetrievalEvalConfig, world_size: int):
 
 def run(cfg: RetrievalEvalConfig) -> dict:
     """Everything after composition; tests call it on forked ranks."""
-    from engine.ds.distributed import init_distributed, read_runtime
-    rt = read_runtime(cfg.device)
+    from engine.ds.distributed import check_shared_gpu, init_distributed, read_runtime
+    rt = read_runtime(cfg.device, cfg.dist_backend)
     train_cfg, task, lengths, depths, out_dir, scored = resolve(cfg, rt.world_size)
     plan = validate(train_cfg, rt.world_size)  # cp, heads, memory presets: before the model loads
     logging.basicConfig(level=logging.INFO if rt.is_main else logging.WARNING,
                         format=f"[rank{rt.rank}] %(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    check_shared_gpu(rt, train_cfg.memory.auto)
     init_distributed(rt)
     from ds_ulysses_ext import init_topology
     from engine.ds.build import build
