@@ -96,6 +96,11 @@ def init_distributed(rt: Runtime) -> None:
     one_pass_zero2_grad_norm()
     clip_inside_fused_adam()
     if not torch.distributed.is_initialized():
+        if rt.device.type == "cuda" and rt.backend == "gloo":
+            # DeepSpeed binds the default group to cuda:LOCAL_RANK (device_id) on CUDA, and torch then builds every
+            # later group by splitting the bound one, which only NCCL can ("ProcessGroupGloo has no
+            # perform_nocolor_split"): an unbound gloo group first, which deepspeed.init_distributed adopts
+            torch.distributed.init_process_group("gloo")
         deepspeed.init_distributed(dist_backend=rt.backend)
 
 
