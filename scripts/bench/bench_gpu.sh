@@ -134,7 +134,9 @@
 #                eval loss; $OUT/fp8_track_<run>.jsonl. $FP8_TRACK_KINDS: the runs (default "bf16 fp8 control";
 #                also bf16_cp2 and fp8_cp2: world 2, parallelism.cp=2, ZeRO-3 (the default preset), both ranks on the
 #                one GPU over gloo (dist_backend=gloo), each compared with its cp=1 run as well);
-#                $FP8_TRACK_REF: a stored track (docs/results/*/fp8_track_losses.jsonl), compared against as well
+#                $FP8_TRACK_REF: a stored track (docs/results/*/fp8_track_losses.jsonl), compared against as well;
+#                $FP8_TRACK_COMMON: overrides for every run (data.pack=true fills the rows, which the corpus's short
+#                documents otherwise leave mostly padding: at cp=2 rank 1's half of a row is then padding only)
 #   gpu_matrix   the GPU exactness matrix (scripts/bench/gpu_matrix.py): every family at a small shape with its real head dims,
 #                each model.kernels, every preset memory=auto can choose, zero0 / zero3, the optimizer step in backward,
 #                packed documents, against the fp32 eager unsplit model; $OUT/gpu_matrix.jsonl; $MATRIX_ARGS: more
@@ -357,7 +359,8 @@ for name, a in zip(('liger', 'control'), runs):
                    data=demo data.seq_len=${FP8_TRACK_SEQ:-4096} data.eval_samples=16 $cp trainer.global_batch_size=1 \
                    trainer.max_steps=${FP8_TRACK_STEPS:-500} trainer.warmup_steps=20 trainer.lr=${FP8_TRACK_LR:-1e-4} \
                    trainer.eval_every=${FP8_TRACK_STEPS:-500} trainer.save_at_end=false trainer.export_hf=false \
-                   deepspeed.master_weights=bf16 logging.progress_bar=false run.name=fp8_track_$k $a > "$OUT/fp8_track_$k.log" 2>&1
+                   deepspeed.master_weights=bf16 logging.progress_bar=false run.name=fp8_track_$k $a ${FP8_TRACK_COMMON:-} \
+                   > "$OUT/fp8_track_$k.log" 2>&1
                  echo "fp8_track $k rc=$?"; cp outputs/fp8_track_$k/metrics.jsonl "$OUT/fp8_track_$k.jsonl"
                done
                # each run against this call's bf16, and against a stored track's columns ($FP8_TRACK_REF: a
