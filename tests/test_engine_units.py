@@ -445,3 +445,26 @@ def test_ranks_share_a_gpu_only_over_gloo(monkeypatch):
     rt = read_runtime("auto", "auto")
     assert (rt.device, rt.backend, rt.shares_gpu) == (torch.device("cuda", 1), "nccl", False)
     check_shared_gpu(rt, memory_auto=True)
+
+
+def test_gloo_on_cuda_starts_an_unbound_default_group_before_deepspeed(monkeypatch):
+    """DeepSpeed binds the default group to cuda:LOCAL_RANK on CUDA, and torch then splits every later group from it,
+    which gloo cannot (seen on an H100: "ProcessGroupGloo has no attribute perform_nocolor_split"); under
+    dist_backend=gloo the group exists, unbound, before deepspeed.init_distributed runs."""
+    import deepspeed
+    from engine.ds.distributed import init_distributed
+    calls, started = [], []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: bool(started))
+    monkeypatch.setattr(torch.distributed, "init_process_group",
+                        lambda backend, **kw: (calls.append(("torch", backend, kw)), started.append(1)))
+    monkeypatch.setattr(deepspeed, "init_distributed", lambda dist_backend: calls.append(("deepspeed", dist_backend)))
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
+    monkeypatch.setattr(os, "environ", env)  # what init_distributed sets stays in this copy
+    init_distributed(Runtime(rank=1, local_rank=1, world_size=2, device=torch.device("cuda", 0), backend="gloo",
+                             shares_gpu=True))
+    assert calls == [("torch", "gloo", {}), ("deepspeed", "gloo")]
+    assert os.environ["LOCAL_RANK"] == "0"  # DeepSpeed's engine and ZeRO-3 place tensors on cuda:$LOCAL_RANK
+    calls.clear(), started.clear()
+    init_distributed(Runtime(rank=0, local_rank=0, world_size=2, device=torch.device("cuda", 0), backend="nccl"))
+    assert calls == [("deepspeed", "nccl")]  # NCCL: DeepSpeed's own, device-bound group
