@@ -74,6 +74,11 @@ def check_moe(cfg, world_size: int) -> None:
                 "moe.dispatcher=deepep needs the optional deep_ep package (DeepEP's 1.x line built from its "
                 "repository; the PyPI sdist does not build, docs/moe.md); use moe.dispatcher=alltoall or auto")
         require(cfg.device != "cpu", "moe.dispatcher=deepep needs CUDA; use moe.dispatcher=alltoall on CPU")
+        # DeepEP moves tokens through its own NVLink/NVSHMEM buffers between GPUs, not through the process group; it
+        # has never run under gloo, whose use on CUDA is ranks that share a GPU, and a hang there would say nothing
+        require(cfg.dist_backend != "gloo",
+                "moe.dispatcher=deepep with dist_backend=gloo: DeepEP exchanges tokens through its own buffers between "
+                "GPUs and is untried under gloo (ranks sharing a GPU); use moe.dispatcher=alltoall (or auto) there")
         require(ep in (1, 2, 4, 8), f"moe.dispatcher=deepep with parallelism.ep={ep}: DeepEP's normal mode runs on "
                 "2, 4 or 8 ranks of one node, its low-latency mode here at ep=1; use moe.dispatcher=alltoall or auto")
         if ep == 1:

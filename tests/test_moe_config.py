@@ -24,6 +24,16 @@ def test_moe_refusals_name_the_field_and_the_fix(overrides, world, match):
         validate(compose_config(MOE + overrides), world_size=world)
 
 
+def test_deepep_is_refused_on_a_shared_gpu(monkeypatch):
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "deep_ep" else real(name, *a))
+    cfg = MOE + ["moe.dispatcher=deepep", "device=cuda", "parallelism.ep=2"]
+    with pytest.raises(ConfigError, match=r"moe.dispatcher=deepep with dist_backend=gloo: .*use moe.dispatcher=alltoall"):
+        validate(compose_config(cfg + ["dist_backend=gloo"]), world_size=4)
+    assert validate(compose_config(cfg), world_size=4).ep == 2  # the same with NCCL passes
+
+
 def test_dense_models_refuse_ep_and_moe_settings():
     with pytest.raises(ConfigError, match=r"parallelism.ep=2 .* set parallelism.ep=1"):
         validate(compose_config(["model=tiny", "parallelism.ep=2", "trainer.global_batch_size=4"]), world_size=4)
