@@ -445,6 +445,9 @@ def test_ranks_share_a_gpu_only_over_gloo(monkeypatch):
     rt = read_runtime("auto", "auto")
     assert (rt.device, rt.backend, rt.shares_gpu) == (torch.device("cuda", 1), "nccl", False)
     check_shared_gpu(rt, memory_auto=True)
+    rt = read_runtime("auto", "gloo")  # gloo with a GPU each: memory=auto sizes a GPU of its own, as it assumes
+    assert (rt.device, rt.shares_gpu) == (torch.device("cuda", 1), False)
+    check_shared_gpu(rt, memory_auto=True)
 
 
 def test_gloo_on_cuda_starts_an_unbound_default_group_before_deepspeed(monkeypatch):

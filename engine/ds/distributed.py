@@ -54,16 +54,17 @@ def read_runtime(device_pref: str = "auto", backend: str = "auto") -> Runtime:
 
 
 def check_shared_gpu(rt: Runtime, memory_auto: bool) -> None:
-    """Ranks that share a GPU: refuse memory=auto, which sizes each rank's preset for a GPU of its own; say once
-    that the run is slow by design."""
-    if not rt.shares_gpu:
+    """gloo on CUDA: refuse memory=auto where ranks share a GPU (it sizes each rank's preset for a GPU of its own);
+    say once that the run is slow by design."""
+    if rt.device.type != "cuda" or rt.backend != "gloo":
         return
-    require(not memory_auto, "memory=auto sizes each rank's preset for a GPU of its own, and these ranks share one "
-            "(dist_backend=gloo with more ranks than GPUs); pick a preset: memory=none, memory=full_recompute, ...")
+    require(not (memory_auto and rt.shares_gpu), "memory=auto sizes each rank's preset for a GPU of its own, and these "
+            "ranks share one (dist_backend=gloo with more ranks than GPUs); pick a preset: memory=none, "
+            "memory=full_recompute, ...")
     if rt.is_main:
         logging.getLogger(__name__).warning(
-            "ranks share GPU(s) over gloo (dist_backend=gloo, more ranks on this host than GPUs): every collective is "
-            "staged through host memory; the numbers are the layout's, the speed is not")
+            "dist_backend=gloo on CUDA%s: every collective is staged through host memory; the numbers are the layout's, "
+            "the speed is not", ", ranks sharing GPU(s)" if rt.shares_gpu else "")
 
 
 def _local_world() -> int:
