@@ -158,13 +158,13 @@ def resolve(cfg: RetrievalEvalConfig, world_size: int):
 
 def run(cfg: RetrievalEvalConfig) -> dict:
     """Everything after composition; tests call it on forked ranks."""
-    from engine.ds.distributed import check_shared_gpu, init_distributed, read_runtime
+    from engine.ds.distributed import check_gloo_on_cuda, init_distributed, read_runtime
     rt = read_runtime(cfg.device, cfg.dist_backend)
     train_cfg, task, lengths, depths, out_dir, scored = resolve(cfg, rt.world_size)
     plan = validate(train_cfg, rt.world_size)  # cp, heads, memory presets: before the model loads
     logging.basicConfig(level=logging.INFO if rt.is_main else logging.WARNING,
                         format=f"[rank{rt.rank}] %(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    check_shared_gpu(rt, train_cfg.memory.auto)
+    check_gloo_on_cuda(rt, train_cfg.memory.auto)
     init_distributed(rt)
     from ds_ulysses_ext import init_topology
     from engine.ds.build import build

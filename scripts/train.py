@@ -45,12 +45,12 @@ def main(dict_cfg: DictConfig) -> None:
 
 def run(cfg: TrainConfig) -> dict:
     """Everything after composition; tests call this with a composed config on forked ranks."""
-    from engine.ds.distributed import check_shared_gpu, init_distributed, read_runtime
+    from engine.ds.distributed import check_gloo_on_cuda, init_distributed, read_runtime
     rt = read_runtime(cfg.device, cfg.dist_backend)
     plan = validate(cfg, rt.world_size)  # every cross-field check, before any model is loaded
     logging.basicConfig(level=logging.INFO if rt.is_main else logging.WARNING,
                         format=f"[rank{rt.rank}] %(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    check_shared_gpu(rt, cfg.memory.auto)
+    check_gloo_on_cuda(rt, cfg.memory.auto)
     if cfg.precision != "fp8":
         # transformers imports torchao wherever it is installed (its quantizer registry), and torchao's import warns
         # about its CUDA-only extensions ("Failed to load ... _C_mxfp8" on CPU): noise to a run that does not use it

@@ -11,7 +11,7 @@ import torch
 
 from configs import Plan
 from dist_harness import run_ranks
-from engine.ds.distributed import Runtime, check_shared_gpu, cp_placement_warning, read_runtime
+from engine.ds.distributed import Runtime, check_gloo_on_cuda, cp_placement_warning, read_runtime
 from engine.ds.grad_reduction import loss_scale
 from engine.ds.hf_config import position_warning
 from engine.run.schedule import build_scheduler, lr_factor
@@ -440,14 +440,14 @@ def test_ranks_share_a_gpu_only_over_gloo(monkeypatch):
     with pytest.raises(ConfigError, match="dist_backend=gloo"):
         read_runtime("cuda", "nccl")
     with pytest.raises(ConfigError, match=r"memory=auto sizes each rank's preset for a GPU of its own"):
-        check_shared_gpu(read_runtime("auto", "gloo"), memory_auto=True)
+        check_gloo_on_cuda(read_runtime("auto", "gloo"), memory_auto=True)
     _fake_gpus(monkeypatch, count=2, local_rank=1, local_world=2)  # a GPU each: NCCL, nothing shared
     rt = read_runtime("auto", "auto")
     assert (rt.device, rt.backend, rt.shares_gpu) == (torch.device("cuda", 1), "nccl", False)
-    check_shared_gpu(rt, memory_auto=True)
+    check_gloo_on_cuda(rt, memory_auto=True)
     rt = read_runtime("auto", "gloo")  # gloo with a GPU each: memory=auto sizes a GPU of its own, as it assumes
     assert (rt.device, rt.shares_gpu) == (torch.device("cuda", 1), False)
-    check_shared_gpu(rt, memory_auto=True)
+    check_gloo_on_cuda(rt, memory_auto=True)
 
 
 def test_gloo_on_cuda_starts_an_unbound_default_group_before_deepspeed(monkeypatch):

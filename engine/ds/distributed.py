@@ -53,7 +53,7 @@ def read_runtime(device_pref: str = "auto", backend: str = "auto") -> Runtime:
                    backend=backend, shares_gpu=shares)
 
 
-def check_shared_gpu(rt: Runtime, memory_auto: bool) -> None:
+def check_gloo_on_cuda(rt: Runtime, memory_auto: bool) -> None:
     """gloo on CUDA: refuse memory=auto where ranks share a GPU (it sizes each rank's preset for a GPU of its own);
     say once that the run is slow by design."""
     if rt.device.type != "cuda" or rt.backend != "gloo":
