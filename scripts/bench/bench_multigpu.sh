@@ -5,7 +5,9 @@
 #
 # Parts:
 #   exact  tiny model fp32 (tight) and Llama-3.2-1B shape bf16, 3 steps at cp=1,2,..,NGPU: loss and grad_norm
-#          per step must agree across layouts (fp32 rel 1e-5; bf16 rel 2e-2) -> $OUT/exact_*.json
+#          per step must agree across layouts (fp32 rel 1e-5; bf16 rel 2e-2) -> $OUT/exact_*.json. With
+#          LAYOUT_EXTRA=dist_backend=gloo (also for moe_exact) NGPU ranks share the GPUs there are, over gloo: the
+#          layouts' numbers on fewer GPUs (docs/usage.md), not yet run that way
 #   scale  $MODEL (default Llama-3.1-8B shape, random init), ZeRO-3, bf16, cp=NGPU, S in $SEQS with memory
 #          preset $MEMORY, or the S:memory list $POINTS; $STEPS steps (default 3); $EXTRA: more Hydra overrides
 #          (e.g. model.attn_backend=fa4 logging.profile_step=3, whose op table gives the all-to-all time)
@@ -40,7 +42,7 @@ for part in ${*:-exact scale alst}; do
       for spec in "tiny:fp32:1e-5" "llama3_2_1b:bf16:2e-2"; do
         IFS=: read model prec tol <<< "$spec"
         python3 scripts/bench/check_layouts.py --model "$model" --precision "$prec" --rtol "$tol" --ngpu "$NGPU" \
-          --out "$OUT/exact_${model}_${prec}.json"
+          --out "$OUT/exact_${model}_${prec}.json" ${LAYOUT_EXTRA:+--extra $LAYOUT_EXTRA}
       done ;;
     scale)   # ours, $MODEL (default the Llama-3.1-8B shape), cp = NGPU
       python3 scripts/bench/bench_train.py --model "${MODEL:-llama3_1_8b_shape}" --nproc "$NGPU" --steps "${STEPS:-3}" \
@@ -62,7 +64,7 @@ for part in ${*:-exact scale alst}; do
         IFS=: read model prec tol seq <<< "$spec"
         python3 scripts/bench/check_layouts.py --model "$model" --precision "$prec" --rtol "$tol" --ngpu "$NGPU" \
           --ngpu-ref 1 --seq-len "$seq" --layouts "1:1,${MOE_LAYOUTS:-$def}" --out "$OUT/moe_exact_${model}_${prec}.json" \
-          --extra moe.dispatcher=${MOE_DISPATCHER:-alltoall} moe.aux_loss_coef=0.01
+          --extra moe.dispatcher=${MOE_DISPATCHER:-alltoall} moe.aux_loss_coef=0.01 ${LAYOUT_EXTRA:-}
       done ;;
     moe_scale)
       python3 scripts/bench/bench_train.py --model "${MOE_MODEL:-qwen3_30b_a3b_4l}" --nproc "$NGPU" --cp "${MOE_CP:-$NGPU}" \
