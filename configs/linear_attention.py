@@ -15,6 +15,7 @@
   layers the key is refused by configs/conditional.py (set away from auto, it would be ignored).
 """
 
+from configs.device import runs_on_cuda
 from configs.errors import ConfigError, divisors, fmt, one_of, require
 from ds_ulysses_ext.attention.layout import valid_cp_values
 from ds_ulysses_ext.linear_attention.fla_kernels import KERNELS, fla_available
@@ -74,10 +75,8 @@ def check_linear_attn_kernel(cfg) -> None:
     one_of("model.linear_attn_kernel", choice, KERNELS)
     if choice != "fla":
         return
-    import torch
-    on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
-    require(not on_cpu, f"model.linear_attn_kernel=fla with model.family={cfg.model.family}: flash-linear-attention's "
-            "kernels run on CUDA only (Triton), and this run is on the CPU (device="
+    require(runs_on_cuda(cfg.device), f"model.linear_attn_kernel=fla with model.family={cfg.model.family}: "
+            "flash-linear-attention's kernels run on CUDA only (Triton), and this run is on the CPU (device="
             f"{cfg.device}); set model.linear_attn_kernel=torch (or auto, which picks fla on CUDA)")
     require(fla_available(), "model.linear_attn_kernel=fla needs flash-linear-attention, which does not import here "
             "(pip install fla-core==0.6.0; it needs triton); install it, or set model.linear_attn_kernel=torch (or "

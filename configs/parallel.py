@@ -6,6 +6,7 @@ dp is not a field: it is derived, dp = world_size // cp (see validate.Plan).
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
+from configs.device import runs_on_cuda
 from configs.errors import ConfigError, divisors, fmt, require
 from configs.model import check_experts, decoder_arch
 from configs.precision import bf16_weights
@@ -178,8 +179,7 @@ def resolve_ring(cfg) -> tuple[int, str]:
 
 def check_dist_backend(cfg: "TrainConfig", ring: int) -> None:
     """dist_backend against the device and the ring. Called by validate() once the ring is resolved."""
-    import torch
-    on_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    on_cuda = runs_on_cuda(cfg.device)
     require(on_cuda or cfg.dist_backend != "nccl",
             f"dist_backend=nccl needs CUDA, and this run is on the CPU (device={cfg.device}); set dist_backend=auto "
             "(gloo on CPU) or device=cuda")

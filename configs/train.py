@@ -12,8 +12,6 @@ from configs.precision import Fp8Config
 from configs.run import RunConfig
 from configs.trainer import TrainerConfig
 
-DEVICES = ("auto", "cuda", "cpu")
-DIST_BACKENDS = ("auto", "nccl", "gloo")
 
 
 @dataclass

@@ -23,7 +23,8 @@ from configs.model import (ATTN_BACKENDS, MODEL_SOURCES, SUPPORTED_FAMILIES, che
 from configs.moe import check_moe
 from configs.parallel import MASTER_WEIGHTS, check_deepspeed, check_dist_backend, check_parallelism, resolve_ring
 from configs.precision import PRECISIONS, check_fp8
-from configs.train import DEVICES, DIST_BACKENDS, TrainConfig
+from configs.device import DEVICES, DIST_BACKENDS
+from configs.train import TrainConfig
 from configs.trainer import check_batch, check_eval, check_optimizer_in_backward, check_trainer
 from ds_ulysses_ext.kernels import KERNEL_MODES, LOSS_HEADS
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from configs.errors import require
+from configs.device import runs_on_cuda
 from ds_ulysses_ext.topology import cp_group_ranks
 
 
@@ -35,7 +36,7 @@ def read_runtime(device_pref: str = "auto", backend: str = "auto") -> Runtime:
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    use_cuda = device_pref == "cuda" or (device_pref == "auto" and torch.cuda.is_available())
+    use_cuda = runs_on_cuda(device_pref)
     if use_cuda and not torch.cuda.is_available():
         raise RuntimeError("device=cuda requested but no CUDA device is visible; use device=cpu or auto")
     if not use_cuda:

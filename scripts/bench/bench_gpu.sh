@@ -351,10 +351,9 @@ for name, a in zip(('liger', 'control'), runs):
                done ;;
     fp8_track) for k in ${FP8_TRACK_KINDS:-bf16 fp8 control}; do
                  n=1; cp="parallelism.cp=1"
-                 case $k in bf16) a="precision=bf16" ;; fp8) a="precision=fp8 ${FP8_TRACK_ARGS:-}" ;;
-                             control) a="precision=bf16 trainer.loss_chunk_size=1024" ;;  # rounding only
-                             bf16_cp2) a="precision=bf16"; n=2; cp="parallelism.cp=2 dist_backend=gloo" ;;
-                             fp8_cp2) a="precision=fp8 ${FP8_TRACK_ARGS:-}"; n=2; cp="parallelism.cp=2 dist_backend=gloo" ;; esac
+                 case $k in *_cp2) n=2; cp="parallelism.cp=2 dist_backend=gloo" ;; esac  # both ranks on one GPU
+                 case ${k%_cp2} in bf16) a="precision=bf16" ;; fp8) a="precision=fp8 ${FP8_TRACK_ARGS:-}" ;;
+                                   control) a="precision=bf16 trainer.loss_chunk_size=1024" ;; esac  # rounding only
                  python3 -m torch.distributed.run --standalone --nproc_per_node=$n scripts/train.py model=${FP8_TRACK_MODEL:-llama3_2_1b} \
                    data=demo data.seq_len=${FP8_TRACK_SEQ:-4096} data.eval_samples=16 $cp trainer.global_batch_size=1 \
                    trainer.max_steps=${FP8_TRACK_STEPS:-500} trainer.warmup_steps=20 trainer.lr=${FP8_TRACK_LR:-1e-4} \
