@@ -11,8 +11,13 @@ Why: precision=fp8's speed rests on how the amax / scale / cast kernels around e
   neighbour; three compiled regions per MLP);
 - `fp8_mlp`: the MLP compiled whole with its three Float8Linear: one cast of x feeds gate and up, SiLU-and-product
   fuses with the cast of down's input, and the backward's casts fuse with the SwiGLU backward.
-Each JSON line: variant, recipe, tokens, median ms of forward + backward (input and weight gradients), the ratio to
-`bf16`, and the forward output's relative distance from bf16's. Shapes from hydra_conf/model/<model>.yaml.
+- `fp8_mlp_once`: as `fp8_mlp`, each linear's x and W cast once in the forward and saved in float8 for the backward
+  (tensorwise only; ds_ulysses_ext/kernels/fp8_operands.py); `fp8_mlp_once_x`: the same with x only (W cast in each
+  pass, as under ZeRO-3 on several ranks).
+Each JSON line: variant, recipe, tokens, median ms of forward + backward (input and weight gradients), peak memory of
+the timed steps, the ratio to
+`bf16`, the forward output's relative distance from bf16's, and whether the `fp8_mlp_once*` variants' output and
+gradients equal `fp8_mlp`'s bit for bit. Shapes from hydra_conf/model/<model>.yaml.
 """
 import argparse
 import copy
@@ -49,7 +54,11 @@ def variant(base: torch.nn.Module, name: str, recipe: str) -> torch.nn.Module:
     if name == "fp8_per_linear":
         for lin in (m.gate_proj, m.up_proj, m.down_proj):
             lin.forward = torch.compile(lin.forward)
-    elif name == "fp8_mlp":
+    elif name in ("fp8_mlp", "fp8_mlp_once", "fp8_mlp_once_x"):
+        if name != "fp8_mlp":
+            from ds_ulysses_ext.kernels.fp8_operands import bind_cast_once
+            for lin in (m.gate_proj, m.up_proj, m.down_proj):
+                bind_cast_once(lin, weight=name == "fp8_mlp_once")
         m = torch.compile(m)
     return m
 
@@ -68,7 +77,7 @@ def main():
     for s in (int(t) for t in args.tokens.split(",")):
         x = torch.randn(s, hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
         g = torch.randn(s, hidden, device=device, dtype=torch.bfloat16)
-        ref_out, ref_ms = None, None
+        ref_out, ref_ms, fp8_mlp_grads = None, None, None
         for recipe in args.recipes.split(","):
             for name in args.variants.split(","):
                 if name.startswith("bf16") and recipe != args.recipes.split(",")[0]:
@@ -83,15 +92,24 @@ def main():
                     m(x).backward(g)
                 for _ in range(3):  # compile, autotune, warm
                     step()
+                torch.cuda.reset_peak_memory_stats(device)
                 ms = statistics.median(timed(step, device) for _ in range(args.reps)) * 1e3
                 with torch.no_grad():
                     out = m(x).float()
+                step()  # the gradients of this variant, kept for the comparison below
+                grads = [out, x.grad.clone()] + [p.grad.clone() for p in m.parameters()]
+                if name == "fp8_mlp":
+                    fp8_mlp_grads = grads
+                same = (all(torch.equal(a, b) for a, b in zip(grads, fp8_mlp_grads))
+                        if name.startswith("fp8_mlp_") and fp8_mlp_grads is not None else None)
                 if name == "bf16":
                     ref_out, ref_ms = out, ms
                 err = float((out - ref_out).norm() / ref_out.norm())
                 print(json.dumps({"bench": "fp8_mlp", "model": args.model, "tokens": s, "variant": name,
                                   "recipe": recipe if name.startswith("fp8") else "-", "ms": round(ms, 3),
-                                  "speedup_vs_bf16": round(ref_ms / ms, 3), "rel_err_vs_bf16": float(f"{err:.3e}")}),
+                                  "peak_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 3),
+                                  "speedup_vs_bf16": round(ref_ms / ms, 3), "rel_err_vs_bf16": float(f"{err:.3e}"),
+                                  "output_and_grads_equal_fp8_mlp": same}),
                       flush=True)
                 del m
 
