@@ -137,7 +137,8 @@
 #                one GPU over gloo (dist_backend=gloo), each compared with its cp=1 run as well);
 #                $FP8_TRACK_REF: a stored track (docs/results/*/fp8_track_losses.jsonl), compared against as well;
 #                $FP8_TRACK_COMMON: overrides for every run (data.pack=true fills the rows, which the corpus's short
-#                documents otherwise leave mostly padding: at cp=2 rank 1's half of a row is then padding only)
+#                documents otherwise leave mostly padding: at cp=2 rank 1's half of a row is then padding only);
+#                $FP8_TRACK_TAG: a suffix of the run names (two tracks side by side on one machine, each with its own $OUT)
 #   gpu_matrix   the GPU exactness matrix (scripts/bench/gpu_matrix.py): every family at a small shape with its real head dims,
 #                each model.kernels, every preset memory=auto can choose, zero0 / zero3, the optimizer step in backward,
 #                packed documents, against the fp32 eager unsplit model; $OUT/gpu_matrix.jsonl; $MATRIX_ARGS: more
@@ -359,9 +360,9 @@ for name, a in zip(('liger', 'control'), runs):
                    data=demo data.seq_len=${FP8_TRACK_SEQ:-4096} data.eval_samples=16 $cp trainer.global_batch_size=1 \
                    trainer.max_steps=${FP8_TRACK_STEPS:-500} trainer.warmup_steps=20 trainer.lr=${FP8_TRACK_LR:-1e-4} \
                    trainer.eval_every=${FP8_TRACK_STEPS:-500} trainer.save_at_end=false trainer.export_hf=false \
-                   deepspeed.master_weights=bf16 logging.progress_bar=false run.name=fp8_track_$k $a ${FP8_TRACK_COMMON:-} \
+                   deepspeed.master_weights=bf16 logging.progress_bar=false run.name=fp8_track${FP8_TRACK_TAG:-}_$k $a ${FP8_TRACK_COMMON:-} \
                    > "$OUT/fp8_track_$k.log" 2>&1
-                 echo "fp8_track $k rc=$?"; cp outputs/fp8_track_$k/metrics.jsonl "$OUT/fp8_track_$k.jsonl"
+                 echo "fp8_track $k rc=$?"; cp outputs/fp8_track${FP8_TRACK_TAG:-}_$k/metrics.jsonl "$OUT/fp8_track_$k.jsonl"
                done
                # each run against this call's bf16, and against a stored track's columns ($FP8_TRACK_REF: a
                # fp8_track_losses.jsonl of docs/results/, one row a step, a column a run) where one is named
