@@ -87,7 +87,7 @@ CONDITIONAL: dict[str, Rule] = {
     **{f"deepspeed.{k}": Rule(lambda c: c.deepspeed.zero_stage != 0, "deepspeed=zero2 or zero3", warn=True)
        for k in ("overlap_comm", "contiguous_gradients", "reduce_bucket_size")},  # ZeRO's buffers; zero0 has none
     **{f"fp8.{k}": Rule(lambda c: c.precision == "fp8", "precision=fp8")
-       for k in ("recipe", "linears", "compile", "saved", "emulate_on_cpu")},
+       for k in ("recipe", "linears", "compile", "emulate_on_cpu")},
     "moe.dispatcher": Rule(_always, "", moe=True),
     "moe.balance": Rule(_always, "", moe=True),
     "moe.aux_loss_coef": Rule(lambda c: c.moe.balance == "aux", "moe.balance=aux", moe=True),

@@ -32,7 +32,6 @@ FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 # 1.3x mlp's mean distance from bf16 (H100, 2026-12-06, docs/precision.md)
 FP8_LINEARS = ("mlp", "all")
 FP8_COMPILE = ("auto", "regions", "mlp", "linear", "false")
-FP8_SAVED = ("auto", "float8", "bf16")
 ALIGN_TOKENS = 16  # torch._scaled_mm's alignment, for the token axis too (the weight gradient's reduction)
 
 
@@ -52,11 +51,6 @@ class Fp8Config:
     # rowwise recipes (what measured faster for each: kernels/fp8.py resolve_compile); a CPU run (emulate_on_cpu) stays
     # eager
     compile: str = "auto"
-    # what an FP8 linear saves for its backward. float8: its input's and weight's float8 casts from the forward, which
-    # the backward reuses (tensorwise only: its backward casts equal the forward's; ds_ulysses_ext/kernels/fp8_operands.py);
-    # bf16: the bf16 input and weight, cast again in the backward (torchao's own forward). auto: float8 for tensorwise,
-    # bf16 for the rowwise recipes. The same numbers either way, bit for bit
-    saved: str = "auto"
     # run the FP8 GEMMs through torch's CPU float8 matmul: slow and only for checking layouts on CPU (the tests do);
     # without it precision=fp8 on CPU is refused
     emulate_on_cpu: bool = False
@@ -68,11 +62,6 @@ def check_fp8(cfg) -> None:
     one_of("fp8.recipe", cfg.fp8.recipe, FP8_RECIPES)
     one_of("fp8.linears", cfg.fp8.linears, FP8_LINEARS)
     one_of("fp8.compile", cfg.fp8.compile, FP8_COMPILE)
-    one_of("fp8.saved", cfg.fp8.saved, FP8_SAVED)
-    require(cfg.fp8.saved != "float8" or cfg.fp8.recipe == "tensorwise",
-            f"fp8.saved=float8 reuses the forward's float8 casts in the backward, which only fp8.recipe=tensorwise "
-            f"allows (a rowwise recipe scales each GEMM along its own reduction); fp8.recipe={cfg.fp8.recipe}: set "
-            f"fp8.saved=auto (bf16 for it) or fp8.recipe=tensorwise")
     if cfg.precision != "fp8":
         return
     require(cfg.device != "cpu" or cfg.fp8.emulate_on_cpu,

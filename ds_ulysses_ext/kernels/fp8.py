@@ -35,7 +35,6 @@ import torch
 
 from ..errors import UnsupportedError
 from ..memory.recompute import is_known_gated_mlp
-from .fp8_operands import bind_cast_once
 
 log = logging.getLogger(__name__)
 
@@ -55,23 +54,18 @@ class Fp8Report:
     whole_mlps: int = 0  # gated MLPs compiled as one region (compiled=mlp); their linears' own forwards compiled too
     qkv_regions: int = 0  # attention modules whose q/k/v run as one compiled region (compiled=regions)
     per_linear_why: str = ""  # why fp8.compile=mlp / regions fell back to compiling each linear alone, where it did
-    saved: str = "bf16"  # what each FP8 linear saves for its backward: float8 (x and W, or x only: "float8 x") or bf16
 
     def as_dict(self) -> dict:
         return {"recipe": self.recipe, "fp8_linears": dict(sorted(self.fp8.items())),
                 "bf16_linears": dict(sorted(self.bf16.items())), "compiled": self.compiled,
-                "whole_mlps": self.whole_mlps, "qkv_regions": self.qkv_regions, "saved": self.saved}
+                "whole_mlps": self.whole_mlps, "qkv_regions": self.qkv_regions}
 
     def __str__(self) -> str:
         kept = "; ".join(f"{n} ({why})" for n, why in sorted(self.bf16.items())) or "none"
         return (f"precision=fp8, recipe {self.recipe}: {sum(self.fp8.values())} linears in FP8 "
                 f"({', '.join(f'{n} x{c}' for n, c in sorted(self.fp8.items()))}), "
-                f"{self._casts()}, saving {self._saved()} for the backward; decoder linears kept in bf16: {kept}; lm_head, "
+                f"{self._casts()}; decoder linears kept in bf16: {kept}; lm_head, "
                 f"attention and the MoE experts' grouped GEMMs stay bf16 (FP8 grouped GEMMs measured slower)")
-
-    def _saved(self) -> str:
-        return {"float8": "the float8 casts of x and W", "float8 x": "x's float8 cast and the bf16 W (ZeRO-3 "
-                "partitions the weights)"}.get(self.saved, "the bf16 x and W (cast again)")
 
     def _casts(self) -> str:
         if self.compiled == "false":
@@ -114,15 +108,6 @@ def resolve_compile(setting: str, recipe: str, device_type: str) -> str:
     return "regions" if recipe == "tensorwise" else "linear"
 
 
-def resolve_saved(setting: str, recipe: str) -> str:
-    """fp8.saved as the run uses it. `auto`: float8 for tensorwise, whose backward casts equal its forward's, so
-    reusing them changes no number and skips a pass over each operand (kernels/fp8_operands.py); bf16 for the
-    rowwise recipes, whose backward scales differ (configs/precision.py refuses float8 with them)."""
-    if setting != "auto":
-        return setting
-    return "float8" if recipe == "tensorwise" else "bf16"
-
-
 def _why_bf16(leaf: str, module: torch.nn.Linear, linears: str) -> str:
     """'' when the linear runs in FP8, else the reason it stays bf16."""
     if leaf in ROUTER_NAMES:
@@ -135,7 +120,7 @@ def _why_bf16(leaf: str, module: torch.nn.Linear, linears: str) -> str:
 
 
 def apply_fp8(hf_model: torch.nn.Module, recipe: str, linears: str, compile_casts: str,
-              partitioned: bool = False, compile_fn: Optional[Callable] = None, saved: str = "bf16") -> Fp8Report:
+              partitioned: bool = False, compile_fn: Optional[Callable] = None) -> Fp8Report:
     """Swap the chosen decoder linears for Float8Linear; before the fused kernels bind (their projection groups take
     plain nn.Linear only, so FP8 linears keep their own forward) and before DeepSpeed wraps the model.
 
@@ -145,9 +130,7 @@ def apply_fp8(hf_model: torch.nn.Module, recipe: str, linears: str, compile_cast
     region too; `linear` each linear alone; `false` eager casts. `partitioned`: ZeRO-3 partitions the
     weights across ranks, and its gather hooks sit on each linear's __call__, which a whole-MLP region would trace
     into; there each linear is compiled alone (the hooks stay outside). `compile_fn`: torch.compile unless a test
-    hands another (the eager backend checks the regions on CPU). `saved`: `float8` binds each chosen linear's forward
-    to kernels/fp8_operands.py's, which saves its float8 x and W for the backward (x only where `partitioned`: a
-    gathered weight's copy must not outlive the forward); `bf16` keeps torchao's forward."""
+    hands another (the eager backend checks the regions on CPU)."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     report = Fp8Report(recipe=recipe)
     chosen = set()
@@ -169,10 +152,6 @@ def apply_fp8(hf_model: torch.nn.Module, recipe: str, linears: str, compile_cast
                                f"MoE experts' grouped GEMMs stay bf16); {fix}precision=bf16")
     convert_to_float8_training(decoder.layers, config=Float8LinearConfig.from_recipe_name(recipe),
                                module_filter_fn=lambda module, fqn: fqn in chosen)
-    if saved == "float8":
-        for name in chosen:
-            bind_cast_once(decoder.layers.get_submodule(name), weight=not partitioned)
-        report.saved = "float8 x" if partitioned else "float8"
     if compile_casts == "false":
         if partitioned:
             # torchao's eager forward saves weight.t(), a view of ZeRO-3's gathered weight, which then outlives the
@@ -194,7 +173,6 @@ def apply_fp8(hf_model: torch.nn.Module, recipe: str, linears: str, compile_cast
         module = decoder.layers.get_submodule(name)
         # the instance's forward, compiled: the amax, scale and cast kernels fuse around the GEMMs; ZeRO-3's gather
         # hooks stay outside, on the module's __call__
-        module.fp8_forward = module.forward  # uncompiled, for the q/k/v region's body
         module.forward = compile_fn(module.forward)
     if compile_casts in ("mlp", "regions"):
         if partitioned:
@@ -228,9 +206,8 @@ def _compile_whole_mlp(mlp: torch.nn.Module, compile_fn: Callable) -> None:
 
 
 def _qkv(attn: torch.nn.Module, x: torch.Tensor) -> tuple:
-    """The q/k/v region's body: each projection's own FP8 forward (torchao's or kernels/fp8_operands.py's), on one
-    input."""
-    return tuple(getattr(attn, n).fp8_forward(x) for n in QKV_NAMES)
+    """The q/k/v region's body: each projection's own Float8Linear forward, on one input."""
+    return tuple(type(m).forward(m, x) for m in (getattr(attn, n) for n in QKV_NAMES))
 
 
 def _compile_qkv(attn: torch.nn.Module, compile_fn: Callable) -> None:

@@ -16,7 +16,7 @@ from configs.precision import bf16_weights
 from ds_ulysses_ext import CPCausalLM, Topology, enable_context_parallel
 from ds_ulysses_ext.linear_attention import set_linear_attn_kernel
 from ds_ulysses_ext.kernels import apply_fused_kernels
-from ds_ulysses_ext.kernels.fp8 import apply_fp8, check_fp8_device, resolve_compile, resolve_saved
+from ds_ulysses_ext.kernels.fp8 import apply_fp8, check_fp8_device, resolve_compile
 from ds_ulysses_ext.memory import ProbeResult, apply_memory_policies
 from ds_ulysses_ext.moe import moe_blocks
 from ds_ulysses_ext.moe.parallel import MoESettings, enable_expert_parallel, expert_parameters
@@ -133,8 +133,7 @@ def build(cfg: TrainConfig, plan: Plan, topo: Topology, device: torch.device, lo
     fp8 = None
     if cfg.precision == "fp8":  # before the fused kernels: their projection groups take plain nn.Linear only
         compile_casts = resolve_compile(cfg.fp8.compile, cfg.fp8.recipe, device.type)
-        fp8 = apply_fp8(hf, cfg.fp8.recipe, cfg.fp8.linears, compile_casts, partitioned=stage == 3,
-                        saved=resolve_saved(cfg.fp8.saved, cfg.fp8.recipe))
+        fp8 = apply_fp8(hf, cfg.fp8.recipe, cfg.fp8.linears, compile_casts, partitioned=stage == 3)
         log.info("%s", fp8)
     # before the memory policies: they wrap these forwards (a tiled MLP runs the fused product per tile)
     kernels = apply_fused_kernels(hf, cfg.model.kernels, device, loss_head=cfg.model.loss_head,

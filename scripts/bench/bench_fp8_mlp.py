@@ -11,9 +11,11 @@ Why: precision=fp8's speed rests on how the amax / scale / cast kernels around e
   neighbour; three compiled regions per MLP);
 - `fp8_mlp`: the MLP compiled whole with its three Float8Linear: one cast of x feeds gate and up, SiLU-and-product
   fuses with the cast of down's input, and the backward's casts fuse with the SwiGLU backward.
-- `fp8_mlp_once`: as `fp8_mlp`, each linear's x and W cast once in the forward and saved in float8 for the backward
-  (tensorwise only; ds_ulysses_ext/kernels/fp8_operands.py); `fp8_mlp_once_x`: the same with x only (W cast in each
-  pass, as under ZeRO-3 on several ranks).
+- `fp8_mlp_once`: as `fp8_mlp`, each linear's x and W cast once in the forward and handed to torchao's matmul in
+  float8, which then saves them for the backward instead of casting the bf16 ones again (tensorwise only: its
+  backward casts equal the forward's, so the numbers are fp8_mlp's bit for bit); `fp8_mlp_once_x`: x only. An
+  experiment: on an H100 neither was faster than `fp8_mlp` (inductor already shares the casts across the region's
+  forward and backward), and both peaked higher (docs/benchmarks.md, 2026-12-06, eighth part).
 Each JSON line: variant, recipe, tokens, median ms of forward + backward (input and weight gradients), peak memory of
 the timed steps, the ratio to
 `bf16`, the forward output's relative distance from bf16's, and whether the `fp8_mlp_once*` variants' output and
@@ -21,6 +23,7 @@ gradients equal `fp8_mlp`'s bit for bit. Shapes from hydra_conf/model/<model>.ya
 """
 import argparse
 import copy
+import functools
 import json
 import statistics
 import sys
@@ -43,6 +46,20 @@ def mlp(hidden: int, inter: int, device) -> torch.nn.Module:
     return m.to(device=device, dtype=torch.bfloat16)
 
 
+def cast_once_forward(linear: torch.nn.Module, weight: bool, x: torch.Tensor) -> torch.Tensor:
+    """A tensorwise Float8Linear's forward with x (and W) cast before torchao's matmul: its backward then uses the
+    float8 tensors as they are (the path torchao's FSDP float8 all-gather takes) rather than casting bf16 again."""
+    from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+    from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import GemmInputRole
+    c, mm = linear.config, linear.linear_mm_config
+    x8 = hp_tensor_to_float8_dynamic(x, c.cast_config_input.target_dtype, mm, gemm_input_role=GemmInputRole.INPUT)
+    w = linear.weight
+    if weight:
+        w = hp_tensor_to_float8_dynamic(w, c.cast_config_weight.target_dtype, mm, gemm_input_role=GemmInputRole.WEIGHT)
+    return matmul_with_hp_or_float8_args.apply(x8, w.t(), mm, c)
+
+
 def variant(base: torch.nn.Module, name: str, recipe: str) -> torch.nn.Module:
     m = copy.deepcopy(base)
     if name == "bf16":
@@ -56,9 +73,8 @@ def variant(base: torch.nn.Module, name: str, recipe: str) -> torch.nn.Module:
             lin.forward = torch.compile(lin.forward)
     elif name in ("fp8_mlp", "fp8_mlp_once", "fp8_mlp_once_x"):
         if name != "fp8_mlp":
-            from ds_ulysses_ext.kernels.fp8_operands import bind_cast_once
             for lin in (m.gate_proj, m.up_proj, m.down_proj):
-                bind_cast_once(lin, weight=name == "fp8_mlp_once")
+                lin.forward = functools.partial(cast_once_forward, lin, name == "fp8_mlp_once")
         m = torch.compile(m)
     return m
 

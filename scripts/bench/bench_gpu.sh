@@ -120,8 +120,7 @@
 #                model.arch.num_hidden_layers=8 in $EXTRA) at $FP8_POINTS (default 16384:none,32768:none; ours zero0,
 #                bf16 master weights, Liger's kernels, no clipping, the step in backward, $EXTRA), ours bf16 then
 #                fp8 with each of $FP8_LINEARS (default "mlp all"), $FP8_RECIPE (default tensorwise) and $FP8_COMPILE
-#                (default auto; e.g. regions: q/k/v as one region under fp8.linears=all), each of $FP8_SAVED (default auto;
-#                "bf16 float8" compares what the FP8 linears save for the backward), then the anchor
+#                (default auto; e.g. regions: q/k/v as one region under fp8.linears=all), then the anchor
 #                without checkpointing at the same lengths; $OUT/fp8_short.jsonl
 #   fp8_equal    precision=fp8 at the FP8 anchor's checkpointed memory: ours (zero0, bf16 master weights, Liger, no clipping,
 #                the step in backward, memory.offload_activations=true) in bf16 and in fp8 ($FP8_RECIPE, default tensorwise)
@@ -328,12 +327,12 @@ for name, a in zip(('liger', 'control'), runs):
                C="deepspeed.master_weights=bf16 model.kernels=liger trainer.grad_clip=0 trainer.optimizer_in_backward=true"
                python3 scripts/bench/bench_train.py --model $M --points $pts --steps 5 --no-phase-times --deepspeed zero0 \
                  $C ${EXTRA:-} | grep RESULT | cut -c1-1200 | tee -a "$OUT/fp8_short.jsonl"
-               for l in ${FP8_LINEARS:-mlp all}; do for sv in ${FP8_SAVED:-auto}; do
+               for l in ${FP8_LINEARS:-mlp all}; do
                  python3 scripts/bench/bench_train.py --model $M --points $pts --steps 5 --no-phase-times --deepspeed zero0 \
                    --precision fp8 $C fp8.linears=$l fp8.recipe=${FP8_RECIPE:-tensorwise} fp8.compile=${FP8_COMPILE:-auto} \
-                   fp8.saved=$sv ${EXTRA:-} | grep RESULT | cut -c1-1200 \
+                   ${EXTRA:-} | grep RESULT | cut -c1-1200 \
                    | tee -a "$OUT/fp8_short.jsonl"
-               done; done
+               done
                for p in ${pts//,/ }; do  # FP8_ANCHORS=0: ours only (e.g. at a recompute preset, beside --no-ckpt's rows)
                  [ "${FP8_ANCHORS:-1}" = 0 ] && break
                  python3 .bench/anchor-bench/model_bench.py --seq ${p%%:*} --variant hf --liger --fp8 ${FP8_RECIPE:-tensorwise} \
