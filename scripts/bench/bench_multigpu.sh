@@ -7,7 +7,7 @@
 #   exact  tiny model fp32 (tight) and Llama-3.2-1B shape bf16, 3 steps at cp=1,2,..,NGPU: loss and grad_norm
 #          per step must agree across layouts (fp32 rel 1e-5; bf16 rel 2e-2) -> $OUT/exact_*.json. With
 #          LAYOUT_EXTRA=dist_backend=gloo (also for moe_exact) NGPU ranks share the GPUs there are, over gloo: the
-#          layouts' numbers on fewer GPUs (docs/usage.md), not yet run that way
+#          layouts' numbers on fewer GPUs (docs/usage.md; 4 ranks on one H100: docs/benchmarks.md, 2026-12-06, eighth part)
 #   scale  $MODEL (default Llama-3.1-8B shape, random init), ZeRO-3, bf16, cp=NGPU, S in $SEQS with memory
 #          preset $MEMORY, or the S:memory list $POINTS; $STEPS steps (default 3); $EXTRA: more Hydra overrides
 #          (e.g. model.attn_backend=fa4 logging.profile_step=3, whose op table gives the all-to-all time)
