@@ -13,6 +13,7 @@ Exits 1 if any step differs by more than --rtol (relative) from the cp=1 run.
 """
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +24,12 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 def run_layout(cp, args, out_root, ep=1, ngpu=None):
     ngpu = ngpu or args.ngpu
     out = out_root / f"{args.model}_{args.precision}_w{ngpu}_cp{cp}_ep{ep}"
+    # each rank's output in its own file: torchrun's console tail holds its own traceback, not the failing rank's
+    # (beside the run folder, which train.py keeps to itself)
+    logs = out_root / f"{out.name}_rank_logs"
+    shutil.rmtree(logs, ignore_errors=True)  # this run's logs only: torchrun adds a folder per run
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ngpu}",
+           "--log-dir", str(logs), "--redirects", "3",
            str(ROOT / "scripts" / "train.py"), f"model={args.model}", "data=synthetic", f"data.seq_len={args.seq_len}",
            f"parallelism.cp={cp}", f"precision={args.precision}", f"trainer.max_steps={args.steps}",
            f"trainer.global_batch_size={args.ngpu}", "trainer.warmup_steps=1", "trainer.save_at_end=false",
@@ -31,7 +37,10 @@ def run_layout(cp, args, out_root, ep=1, ngpu=None):
            f"device={args.device}", f"run.out_dir={out}", f"parallelism.ep={ep}"] + args.extra
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     if p.returncode != 0:
-        raise SystemExit(f"cp={cp} ep={ep} on {ngpu} ranks failed:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}")
+        ranks = "\n".join(f"--- {f.relative_to(logs)}:\n{f.read_text(errors='replace')[-1500:]}"
+                          for f in sorted(logs.rglob("stderr.log")))
+        raise SystemExit(f"cp={cp} ep={ep} on {ngpu} ranks failed:\n{p.stderr[-1500:]}\n"
+                         f"each rank's stderr, its end:\n{ranks}")
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 
