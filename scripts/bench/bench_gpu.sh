@@ -127,6 +127,12 @@
 #                at $FP8_EQ_POINTS (default 16k and 32k, except_attention_offload; $MODEL, $EXTRA as for fp8_short), then
 #                model_bench.py --liger --fp8 with its gradient checkpointing at the same lengths ($ANCHOR_SHAPE, e.g.
 #                "--attn fa4"); $OUT/fp8_equal.jsonl
+#   fp8_tune     whether inductor's coordinate-descent tuning of its Triton block sizes speeds FP8's casts (the 8B
+#                profile: the casts 29.6 ms of the step, the largest at about 75% of their bytes' bandwidth, the weights'
+#                transposed casts 2.3x slower than their forward casts; docs/benchmarks.md, sixth part): one MLP compiled
+#                whole (bench_fp8_mlp.py, bf16 and fp8_mlp, tensorwise, 16k) on the 8B layer and 1B shapes with
+#                TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=0 and =1; $OUT/fp8_tune.jsonl. The values do not change (block
+#                sizes only; amax is a max). A step with it: set the variable in front of fp8_short. About 3 min
 #   fp8_track    FP8's accuracy against bf16: $FP8_TRACK_STEPS (default 500) steps of the Llama-3.2-1B shape on the shipped
 #                corpus (data=demo, $FP8_TRACK_SEQ tokens a row, default 4096, lr $FP8_TRACK_LR, default 1e-4) in bf16,
 #                in fp8 ($FP8_TRACK_ARGS more overrides, e.g. fp8.linears=all) and a rounding-only control (bf16, loss
@@ -350,6 +356,11 @@ for name, a in zip(('liger', 'control'), runs):
                  python3 .bench/anchor-bench/model_bench.py --seq ${p%%:*} --variant hf --liger --fp8 ${FP8_RECIPE:-tensorwise} \
                    --warmup 1 --reps 3 ${ANCHOR_SHAPE:-} 2>&1 | grep -E "RESULT|Error" | tail -2 | tee -a "$OUT/fp8_equal.jsonl"
                done ;;
+    fp8_tune) for t in 0 1; do for m in llama3_1_8b_shape llama3_2_1b; do
+                TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=$t python3 scripts/bench/bench_fp8_mlp.py --model $m \
+                  --recipes tensorwise --variants bf16,fp8_mlp --tokens 16384 2>&1 | grep -E '^\{|Error' \
+                  | sed "s/^{/{\"coordinate_descent_tuning\": $t, /" | tee -a "$OUT/fp8_tune.jsonl"
+              done; done ;;
     fp8_track) for k in ${FP8_TRACK_KINDS:-bf16 fp8 control}; do
                  n=1; cp="parallelism.cp=1"
                  case $k in *_cp2) n=2; cp="parallelism.cp=2 dist_backend=gloo" ;; esac  # both ranks on one GPU
