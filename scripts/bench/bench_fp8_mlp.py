@@ -17,9 +17,8 @@ Why: precision=fp8's speed rests on how the amax / scale / cast kernels around e
   experiment: on an H100 neither was faster than `fp8_mlp` (inductor already shares the casts across the region's
   forward and backward), and both peaked higher (docs/benchmarks.md, 2026-12-06, eighth part).
 Each JSON line: variant, recipe, tokens, median ms of forward + backward (input and weight gradients), peak memory of
-the timed steps, the ratio to
-`bf16`, the forward output's relative distance from bf16's, and whether the `fp8_mlp_once*` variants' output and
-gradients equal `fp8_mlp`'s bit for bit. Shapes from hydra_conf/model/<model>.yaml.
+the timed steps, the ratio to `bf16`, the forward output's relative distance from bf16's, and whether the
+`fp8_mlp_once*` variants' output and gradients equal `fp8_mlp`'s bit for bit. Shapes from hydra_conf/model/<model>.yaml.
 """
 import argparse
 import copy
