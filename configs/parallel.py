@@ -6,7 +6,6 @@ dp is not a field: it is derived, dp = world_size // cp (see validate.Plan).
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
-from configs.device import runs_on_cuda
 from configs.errors import ConfigError, divisors, fmt, require
 from configs.model import check_experts, decoder_arch
 from configs.precision import bf16_weights
@@ -176,16 +175,3 @@ def resolve_ring(cfg) -> tuple[int, str]:
     )
     return ring, why
 
-
-def check_dist_backend(cfg: "TrainConfig", ring: int) -> None:
-    """dist_backend against the device and the ring. Called by validate() once the ring is resolved."""
-    on_cuda = runs_on_cuda(cfg.device)
-    require(on_cuda or cfg.dist_backend != "nccl",
-            f"dist_backend=nccl needs CUDA, and this run is on the CPU (device={cfg.device}); set dist_backend=auto "
-            "(gloo on CPU) or device=cuda")
-    # gloo's send/recv hand the tensor's pointer to a host transport, unlike its collectives, which stage CUDA
-    # tensors through pinned host copies (torch's ProcessGroupGloo): a ring's K/V hop would read device memory as
-    # host memory
-    require(not (on_cuda and cfg.dist_backend == "gloo" and ring > 1),
-            f"dist_backend=gloo on CUDA cannot run the ring (parallelism.ring={ring}): gloo's point-to-point sends "
-            "take host memory only; set parallelism.ring=1 with a cp that splits the heads, or dist_backend=auto")

@@ -13,7 +13,6 @@ from configs.run import RunConfig
 from configs.trainer import TrainerConfig
 
 
-
 @dataclass
 class TrainConfig:
     run: RunConfig = field(default_factory=RunConfig)

@@ -21,9 +21,9 @@ from configs.memory import RECOMPUTE_METHODS, RECOMPUTE_POLICIES, check_memory
 from configs.model import (ATTN_BACKENDS, MODEL_SOURCES, SUPPORTED_FAMILIES, check_model, check_positions, check_rope,
                            shape_arch)
 from configs.moe import check_moe
-from configs.parallel import MASTER_WEIGHTS, check_deepspeed, check_dist_backend, check_parallelism, resolve_ring
+from configs.parallel import MASTER_WEIGHTS, check_deepspeed, check_parallelism, resolve_ring
 from configs.precision import PRECISIONS, check_fp8
-from configs.device import DEVICES, DIST_BACKENDS
+from configs.device import DEVICES, DIST_BACKENDS, check_dist_backend
 from configs.train import TrainConfig
 from configs.trainer import check_batch, check_eval, check_optimizer_in_backward, check_trainer
 from ds_ulysses_ext.kernels import KERNEL_MODES, LOSS_HEADS

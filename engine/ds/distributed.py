@@ -42,12 +42,12 @@ def read_runtime(device_pref: str = "auto", backend: str = "auto") -> Runtime:
     if not use_cuda:
         return Runtime(rank=rank, local_rank=local_rank, world_size=world, device=torch.device("cpu"))
     backend = "nccl" if backend == "auto" else backend
-    count = torch.cuda.device_count()
-    shares = local_rank >= count or _local_world() > count
+    count, local_world = torch.cuda.device_count(), _local_world()
+    shares = local_rank >= count or local_world > count
     # NCCL refuses two ranks on one GPU ("Duplicate GPU detected") only after the model is built; every rank says
     # it here, before anything is loaded
     require(not shares or backend == "gloo",
-            f"{_local_world()} ranks on this host and {count} GPU(s) visible: launch at most {count} rank(s) per "
+            f"{local_world} ranks on this host and {count} GPU(s) visible: launch at most {count} rank(s) per "
             "host, or set dist_backend=gloo to let ranks share a GPU (slow: for checking a layout's numbers, not "
             "for speed)")
     return Runtime(rank=rank, local_rank=local_rank, world_size=world, device=torch.device("cuda", local_rank % count),
