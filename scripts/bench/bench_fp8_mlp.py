@@ -59,7 +59,58 @@ def cast_once_forward(linear: torch.nn.Module, weight: bool, x: torch.Tensor) ->
     return matmul_with_hp_or_float8_args.apply(x8, w.t(), mm, c)
 
 
-def variant(base: torch.nn.Module, name: str, recipe: str) -> torch.nn.Module:
+@torch._dynamo.allow_in_graph
+class _GradToFloat8Static(torch.autograd.Function):
+    """Forward: nothing. Backward: the gradient to float8_e5m2 with a fixed scale, which torchao's matmul then takes
+    as it is for both of its GEMMs (torchao's NoopFwToFloat8BwDynamic with the amax pass taken out)."""
+
+    @staticmethod
+    def forward(ctx, y, scale, mm):
+        ctx.save_for_backward(scale)
+        ctx.mm = mm
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        from torchao.float8.float8_training_tensor import GemmInputRole, hp_tensor_and_scale_to_float8
+        (scale,) = ctx.saved_tensors
+        return hp_tensor_and_scale_to_float8(g, scale, torch.float8_e5m2, ctx.mm, GemmInputRole.GRAD_OUTPUT), None, None
+
+
+def static_scales(m: torch.nn.Module, x: torch.Tensor, g: torch.Tensor) -> dict:
+    """Each operand's scale as dynamic scaling would set it on these inputs (one bf16 pass): float8 max / amax."""
+    from torchao.float8.float8_utils import amax_to_scale
+    x = x.detach().requires_grad_()
+    gate, up = m.gate_proj(x), m.up_proj(x)
+    h = m.act_fn(gate) * up
+    out = m.down_proj(h)
+    for t in (gate, up, out):
+        t.retain_grad()
+    out.backward(g)
+    e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2
+    amaxes = {"x": (x, e4), "h": (h, e4), "gate": (m.gate_proj.weight, e4), "up": (m.up_proj.weight, e4),
+              "down": (m.down_proj.weight, e4), "d_gate": (gate.grad, e5), "d_up": (up.grad, e5), "d_down": (out.grad, e5)}
+    m.zero_grad(set_to_none=True)
+    return {k: amax_to_scale(t.detach().abs().max().float(), dtype) for k, (t, dtype) in amaxes.items()}
+
+
+def static_mlp_forward(m: torch.nn.Module, scales: dict, x: torch.Tensor) -> torch.Tensor:
+    from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+    from torchao.float8.float8_training_tensor import GemmInputRole, hp_tensor_and_scale_to_float8
+    e4 = torch.float8_e4m3fn
+
+    def linear(name, x8):
+        lin = getattr(m, f"{name}_proj")
+        w8 = hp_tensor_and_scale_to_float8(lin.weight, scales[name], e4, lin.linear_mm_config, GemmInputRole.WEIGHT)
+        y = matmul_with_hp_or_float8_args.apply(x8, w8.t(), lin.linear_mm_config, lin.config)
+        return _GradToFloat8Static.apply(y, scales[f"d_{name}"], lin.linear_mm_config)
+    x8 = hp_tensor_and_scale_to_float8(x, scales["x"], e4, m.gate_proj.linear_mm_config, GemmInputRole.INPUT)
+    h = m.act_fn(linear("gate", x8)) * linear("up", x8)
+    return linear("down", hp_tensor_and_scale_to_float8(h, scales["h"], e4, m.down_proj.linear_mm_config,
+                                                         GemmInputRole.INPUT))
+
+
+def variant(base: torch.nn.Module, name: str, recipe: str, x: torch.Tensor, g: torch.Tensor) -> torch.nn.Module:
     m = copy.deepcopy(base)
     if name == "bf16":
         return m
@@ -70,6 +121,9 @@ def variant(base: torch.nn.Module, name: str, recipe: str) -> torch.nn.Module:
     if name == "fp8_per_linear":
         for lin in (m.gate_proj, m.up_proj, m.down_proj):
             lin.forward = torch.compile(lin.forward)
+    elif name == "fp8_mlp_static":
+        m.forward = functools.partial(static_mlp_forward, m, static_scales(base, x, g))
+        m = torch.compile(m)
     elif name in ("fp8_mlp", "fp8_mlp_once", "fp8_mlp_once_x"):
         if name != "fp8_mlp":
             for lin in (m.gate_proj, m.up_proj, m.down_proj):
@@ -98,7 +152,7 @@ def main():
                 if name.startswith("bf16") and recipe != args.recipes.split(",")[0]:
                     continue
                 torch._dynamo.reset()  # each variant compiles afresh: no shapes or dynamism from another variant
-                m = variant(base, name, recipe)
+                m = variant(base, name, recipe, x, g)
 
                 def step():
                     x.grad = None

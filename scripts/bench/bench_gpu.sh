@@ -130,7 +130,7 @@
 #   fp8_tune     whether inductor's coordinate-descent tuning of its Triton block sizes speeds FP8's casts (the 8B
 #                profile: the casts 29.6 ms of the step, the largest at about 75% of their bytes' bandwidth, the weights'
 #                transposed casts 2.3x slower than their forward casts; docs/benchmarks.md, sixth part): one MLP compiled
-#                whole (bench_fp8_mlp.py, bf16 and fp8_mlp, tensorwise, 16k) on the 8B layer and 1B shapes with
+#                whole (bench_fp8_mlp.py, bf16, fp8_mlp and the no-amax ceiling fp8_mlp_static, tensorwise, 16k) on the 8B layer and 1B shapes with
 #                TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=0 and =1; $OUT/fp8_tune.jsonl. The values do not change (block
 #                sizes only; amax is a max). A step with it: set the variable in front of fp8_short. About 3 min
 #   fp8_track    FP8's accuracy against bf16: $FP8_TRACK_STEPS (default 500) steps of the Llama-3.2-1B shape on the shipped
@@ -358,7 +358,7 @@ for name, a in zip(('liger', 'control'), runs):
                done ;;
     fp8_tune) for t in 0 1; do for m in llama3_1_8b_shape llama3_2_1b; do
                 TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=$t python3 scripts/bench/bench_fp8_mlp.py --model $m \
-                  --recipes tensorwise --variants bf16,fp8_mlp --tokens 16384 2>&1 | grep -E '^\{|Error' \
+                  --recipes tensorwise --variants bf16,fp8_mlp,fp8_mlp_static --tokens 16384 2>&1 | grep -E '^\{|Error' \
                   | sed "s/^{/{\"coordinate_descent_tuning\": $t, /" | tee -a "$OUT/fp8_tune.jsonl"
               done; done ;;
     fp8_track) for k in ${FP8_TRACK_KINDS:-bf16 fp8 control}; do
