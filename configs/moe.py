@@ -2,6 +2,7 @@
 
 from dataclasses import dataclass
 
+from configs.device import runs_on_cuda
 from configs.errors import one_of, require
 from configs.precision import bf16_weights
 
@@ -73,7 +74,8 @@ def check_moe(cfg, world_size: int) -> None:
         require(importlib.util.find_spec("deep_ep") is not None,
                 "moe.dispatcher=deepep needs the optional deep_ep package (DeepEP's 1.x line built from its "
                 "repository; the PyPI sdist does not build, docs/moe.md); use moe.dispatcher=alltoall or auto")
-        require(cfg.device != "cpu", "moe.dispatcher=deepep needs CUDA; use moe.dispatcher=alltoall on CPU")
+        require(runs_on_cuda(cfg.device), f"moe.dispatcher=deepep needs CUDA, and this run is on the CPU "
+                f"(device={cfg.device}); use moe.dispatcher=alltoall on CPU")
         # DeepEP moves tokens through its own NVLink/NVSHMEM buffers between GPUs, not through the process group; it
         # has never run under gloo, whose use on CUDA is ranks that share a GPU, and a hang there would say nothing
         require(cfg.dist_backend != "gloo",

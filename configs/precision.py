@@ -8,6 +8,7 @@ bound against bf16.
 
 from dataclasses import dataclass
 
+from configs.device import runs_on_cuda
 from configs.errors import one_of, require
 from ds_ulysses_ext.attention.layout import padded_length
 
@@ -64,9 +65,9 @@ def check_fp8(cfg) -> None:
     one_of("fp8.compile", cfg.fp8.compile, FP8_COMPILE)
     if cfg.precision != "fp8":
         return
-    require(cfg.device != "cpu" or cfg.fp8.emulate_on_cpu,
+    require(runs_on_cuda(cfg.device) or cfg.fp8.emulate_on_cpu,
             "precision=fp8 needs a GPU with FP8 GEMMs (compute capability 8.9 or newer: H100, H200, L40S, B200); "
-            "this run is on the CPU: set precision=bf16 (or fp32)")
+            f"this run is on the CPU (device={cfg.device}): set precision=bf16 (or fp32)")
     # an FP8 weight gradient reduces over the rank's tokens, and torch._scaled_mm takes reduction lengths in multiples
     # of 16 only: otherwise the first backward fails (measured on an H100: 1,000 tokens fail, 1,008 run). Rows are
     # padded to data.seq_len and split cp ways, so each rank's slice of a row must be a multiple of 16. The CPU's

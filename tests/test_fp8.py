@@ -25,6 +25,7 @@ ALL = ["fp8.linears=all"]  # every decoder linear (the default is the MLPs'), fo
 
 @pytest.mark.parametrize("overrides, message", [
     (["precision=fp8", "device=cpu"], r"precision=fp8 needs a GPU with FP8 GEMMs .*set precision=bf16"),
+    (["precision=fp8", "device=auto"], r"precision=fp8 needs a GPU .*on the CPU \(device=auto\)"),
     (FP8 + ["fp8.recipe=delayed"], r"fp8.recipe=delayed"),
     (FP8 + ["fp8.linears=attention"], r"fp8.linears=attention"),
     (["precision=bf16", "fp8.recipe=rowwise"], r"fp8.recipe.*precision=fp8"),  # set, and never read
@@ -32,7 +33,8 @@ ALL = ["fp8.linears=all"]  # every decoder linear (the default is the MLPs'), fo
     # torch._scaled_mm failed the weight gradient of 1,000 tokens on an H100 (1,008 ran): refused before the build
     (["precision=fp8", "device=cuda", "data.seq_len=1000"], r"data.seq_len=1000 over parallelism.cp=1 .*multiple of 16 \(e.g. 1008\)"),
 ])
-def test_fp8_config_refusals(overrides, message):
+def test_fp8_config_refusals(overrides, message, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # device=auto resolves to the CPU, also on a GPU
     with pytest.raises(ConfigError, match=message):
         validate(compose_config(["model=tiny", "parallelism.cp=1"] + overrides), world_size=1)
 

@@ -43,9 +43,11 @@ def test_module_imports_without_deep_ep():
     assert out.stdout.strip() == "False"
 
 
-def test_validate_refuses_deepep_without_package_or_cuda(fake_package):
-    with pytest.raises(ConfigError, match=r"moe.dispatcher=deepep needs CUDA; use moe.dispatcher=alltoall"):
-        validate(compose_config(MOE + ["parallelism.ep=2", "device=cpu"]), world_size=2)
+@pytest.mark.parametrize("device", ["cpu", "auto"])
+def test_validate_refuses_deepep_without_package_or_cuda(fake_package, device, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # device=auto resolves to the CPU, also on a GPU
+    with pytest.raises(ConfigError, match=rf"moe.dispatcher=deepep needs CUDA.*\(device={device}\); use moe.dispatcher=alltoall"):
+        validate(compose_config(MOE + ["parallelism.ep=2", f"device={device}"]), world_size=2)
 
 
 LL = MOE + ["parallelism.ep=1", "parallelism.cp=2", "device=cuda", "precision=bf16", "data.seq_len=120",
