@@ -179,7 +179,15 @@ def _load_script(name: str):
 
 
 def check_composes(cmd: Command) -> None:
-    """What the script does with its command line before it builds anything; raises what it would refuse with."""
+    """What the script does with its command line before it builds anything; raises what it would refuse with. A
+    `# GPU` line is checked as on the machine it is written for: device=auto resolves to CUDA there."""
+    import torch
+    from unittest import mock
+    with mock.patch.object(torch.cuda, "is_available", lambda: cmd.gpu):
+        _check_composes(cmd)
+
+
+def _check_composes(cmd: Command) -> None:
     from configs import compose_config, validate
     from configs.compose import check_overrides
     script = Path(cmd.script).name
