@@ -17,7 +17,6 @@ scripts/train.py (torchrun, deepspeed, plain python).
 """
 import dataclasses
 import json
-import logging
 import random
 import sys
 import warnings
@@ -32,7 +31,7 @@ import hydra  # noqa: E402
 from hydra.core.config_store import ConfigStore  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from configs import HYDRA_CONF_DIR, ConfigError, register_configs, to_dataclass, validate  # noqa: E402
+from configs import HYDRA_CONF_DIR, ConfigError, register_configs, to_dataclass  # noqa: E402
 from configs.compose import check_overrides  # noqa: E402
 from configs.precision import ALIGN_TOKENS  # noqa: E402
 from configs.retrieval import RetrievalEvalConfig  # noqa: E402
@@ -158,13 +157,11 @@ def resolve(cfg: RetrievalEvalConfig, world_size: int):
 
 def run(cfg: RetrievalEvalConfig) -> dict:
     """Everything after composition; tests call it on forked ranks."""
-    from engine.ds.distributed import check_gloo_on_cuda, init_distributed, read_runtime
+    from engine.ds.distributed import init_distributed, read_runtime
+    from engine.run.startup import prepare
     rt = read_runtime(cfg.device, cfg.dist_backend)
     train_cfg, task, lengths, depths, out_dir, scored = resolve(cfg, rt.world_size)
-    plan = validate(train_cfg, rt.world_size)  # cp, heads, memory presets: before the model loads
-    logging.basicConfig(level=logging.INFO if rt.is_main else logging.WARNING,
-                        format=f"[rank{rt.rank}] %(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    check_gloo_on_cuda(rt, train_cfg.memory.auto)
+    train_cfg, plan = prepare(train_cfg, rt)  # cp, heads, memory presets (memory=auto's choice): before the model loads
     init_distributed(rt)
     from ds_ulysses_ext import init_topology
     from engine.ds.build import build

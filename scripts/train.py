@@ -14,7 +14,6 @@ once, on rank 0, and exits with status 2, having written nothing; HYDRA_FULL_ERR
 """
 import logging
 import warnings
-import os
 import sys
 from pathlib import Path
 
@@ -25,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from configs import TrainConfig, register_configs, to_dataclass, validate  # noqa: E402
+from configs import TrainConfig, register_configs, to_dataclass  # noqa: E402
 from configs.compose import check_overrides  # noqa: E402
 from engine.run.refusal import hush_other_ranks, hydra_started, reported  # noqa: E402
 
@@ -45,23 +44,10 @@ def main(dict_cfg: DictConfig) -> None:
 
 def run(cfg: TrainConfig) -> dict:
     """Everything after composition; tests call this with a composed config on forked ranks."""
-    from engine.ds.distributed import check_gloo_on_cuda, init_distributed, read_runtime
+    from engine.ds.distributed import init_distributed, read_runtime
+    from engine.run.startup import prepare
     rt = read_runtime(cfg.device, cfg.dist_backend)
-    plan = validate(cfg, rt.world_size)  # every cross-field check, before any model is loaded
-    logging.basicConfig(level=logging.INFO if rt.is_main else logging.WARNING,
-                        format=f"[rank{rt.rank}] %(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    check_gloo_on_cuda(rt, cfg.memory.auto)
-    if cfg.precision != "fp8":
-        # transformers imports torchao wherever it is installed (its quantizer registry), and torchao's import warns
-        # about its CUDA-only extensions ("Failed to load ... _C_mxfp8" on CPU): noise to a run that does not use it
-        logging.getLogger("torchao").setLevel(logging.ERROR)
-    if rt.device.type == "cuda" and cfg.memory.expandable_segments:
-        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # before the first allocation
-    if cfg.memory.auto:  # before anything is built: predict every preset, run the fastest that fits (or refuse)
-        from engine.observe.host_memory import local_ranks
-        from engine.run.auto_memory import apply_auto_memory
-        cfg = apply_auto_memory(cfg, rt.world_size, rt.device, local_ranks(), rt.is_main)
-        plan = validate(cfg, rt.world_size)
+    cfg, plan = prepare(cfg, rt)  # validated, memory=auto resolved: before any model is loaded
     if rt.is_main:
         for message in plan.unread:  # keys the run accepted but will not read (configs/conditional.py)
             logging.getLogger("configs").warning(message)

@@ -288,6 +288,22 @@ def test_eval_script_refuses_bad_requests_with_the_fix(tmp_path, args, message):
         eval_retrieval.resolve(cfg, 1)
 
 
+def test_eval_script_applies_memory_auto_as_training_does(tmp_path, monkeypatch):
+    """memory=auto means the same to the scorer as to training (engine/run/startup.py): every preset predicted, the
+    fastest that fits chosen, or a refusal. The scorer once ignored it and built with the defaults, saying nothing;
+    a GPU of 0.0001 GiB fits no preset, so the refusal shows the choice is made."""
+    import eval_retrieval
+    for k, v in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+        monkeypatch.setenv(k, v)
+    folder = tmp_path / "hf"
+    tiny_model("llama", vocab_size=512, max_position_embeddings=4096).save_pretrained(folder)
+    cfg = eval_retrieval.compose([f"target={folder}", "device=cpu", "parallelism.cp=1", "lengths=[256]",
+                                  "memory=auto", "memory.auto_gpu_gib=0.0001"])
+    with pytest.raises(ConfigError, match=r"memory=auto: no memory preset fits data.seq_len=256"):
+        eval_retrieval.run(cfg)
+    assert not (folder / "eval_retrieval").exists()  # refused before anything was written
+
+
 def test_eval_script_in_fp8_scores_lengths_no_training_row_could_have(tmp_path):
     """Training refuses FP8 rows that are not multiples of 16 x cp (the weight gradient's GEMM); a scoring run has no
     backward, so a length of 1,000 is scored, and the plan's nominal length rounds up instead of being refused."""
