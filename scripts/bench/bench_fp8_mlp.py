@@ -18,7 +18,8 @@ Why: precision=fp8's speed rests on how the amax / scale / cast kernels around e
   forward and backward), and both peaked higher (docs/benchmarks.md, 2026-12-06, eighth part).
 Each JSON line: variant, recipe, tokens, median ms of forward + backward (input and weight gradients), peak memory of
 the timed steps, the ratio to `bf16`, the forward output's relative distance from bf16's, and whether the
-`fp8_mlp_once*` variants' output and gradients equal `fp8_mlp`'s bit for bit. Shapes from hydra_conf/model/<model>.yaml.
+`fp8_mlp_*` variants' output and gradients equal `fp8_mlp`'s bit for bit (the cast-once ones should; the
+static one, whose scales come from a bf16 pass, need not). Shapes from hydra_conf/model/<model>.yaml.
 """
 import argparse
 import copy
