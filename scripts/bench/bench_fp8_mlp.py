@@ -22,6 +22,7 @@ the timed steps, the ratio to `bf16`, the forward output's relative distance fro
 static one, whose scales come from a bf16 pass, need not). Shapes from hydra_conf/model/<model>.yaml.
 """
 import argparse
+import ast
 import copy
 import functools
 import json
@@ -133,6 +134,17 @@ def variant(base: torch.nn.Module, name: str, recipe: str, x: torch.Tensor, g: t
     return m
 
 
+def top_kernels(step, n: int) -> list:
+    """One step under torch.profiler: its n largest GPU kernels by total time, [name, ms, calls]."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    rows = [(e.key, e.self_device_time_total / 1e3, e.count) for e in prof.key_averages()
+            if e.device_type == torch.autograd.DeviceType.CUDA]
+    return [[k, round(ms, 3), c] for k, ms, c in sorted(rows, key=lambda r: -r[1])[:n]]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama3_2_1b")
@@ -140,7 +152,18 @@ def main():
     ap.add_argument("--recipes", default="rowwise")
     ap.add_argument("--variants", default="bf16,bf16_compiled,fp8_eager,fp8_per_linear,fp8_mlp")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--inductor", default="", help="inductor settings for every compiled variant, comma-separated "
+                    "dotted=value (e.g. triton.prefer_nd_tiling=True,triton.max_tiles=3)")
+    ap.add_argument("--profile", type=int, default=0, help="after timing, profile one step and print its N largest "
+                    "GPU kernels (full names, total ms) as one JSON line")
     args = ap.parse_args()
+    for item in filter(None, args.inductor.split(",")):
+        key, value = item.split("=", 1)
+        *path, leaf = key.split(".")
+        node = torch._inductor.config
+        for part in path:
+            node = getattr(node, part)
+        setattr(node, leaf, ast.literal_eval(value))
     device = torch.device("cuda")
     (inter, hidden) = layer_linears(args.model)["gate"]
     base = mlp(hidden, inter, device)
@@ -175,7 +198,11 @@ def main():
                 if name == "bf16":
                     ref_out, ref_ms = out, ms
                 err = float((out - ref_out).norm() / ref_out.norm())
+                if args.profile:
+                    print(json.dumps({"bench": "fp8_mlp_kernels", "variant": name, "inductor": args.inductor,
+                                      "kernels": top_kernels(step, args.profile)}), flush=True)
                 print(json.dumps({"bench": "fp8_mlp", "model": args.model, "tokens": s, "variant": name,
+                                  "inductor": args.inductor,
                                   "recipe": recipe if name.startswith("fp8") else "-", "ms": round(ms, 3),
                                   "peak_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 3),
                                   "speedup_vs_bf16": round(ref_ms / ms, 3), "rel_err_vs_bf16": float(f"{err:.3e}"),
