@@ -13,6 +13,10 @@ from configs import Plan, TrainConfig, validate
 from engine.ds.distributed import Runtime, check_gloo_on_cuda
 
 
+def _drop_enum_constant_deprecation(record: logging.LogRecord) -> bool:
+    return "register_constant() on Enum subclasses is deprecated" not in record.getMessage()
+
+
 def prepare(cfg: TrainConfig, rt: Runtime) -> tuple[TrainConfig, Plan]:
     """Validate, set up logging and the CUDA allocator, resolve memory=auto; before init_distributed and any model.
     Returns the config the run uses (memory=auto's choice filled in) and its plan."""
@@ -24,6 +28,10 @@ def prepare(cfg: TrainConfig, rt: Runtime) -> tuple[TrainConfig, Plan]:
         # transformers imports torchao wherever it is installed (its quantizer registry), and torchao's import warns
         # about its CUDA-only extensions ("Failed to load ... _C_mxfp8" on CPU): noise to a run that does not use it
         logging.getLogger("torchao").setLevel(logging.ERROR)
+    # the pinned torchao registers its Enums as pytree constants when imported (by transformers, wherever torchao is
+    # installed), and torch 2.13 logs a deprecation for each, on every rank: nothing the user can act on, and the
+    # first lines the README's demo printed. Only that message is dropped.
+    logging.getLogger("torch.utils._pytree").addFilter(_drop_enum_constant_deprecation)
     if rt.device.type == "cuda" and cfg.memory.expandable_segments:
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # before the first allocation
     if cfg.memory.auto:  # before anything is built: predict every preset, run the fastest that fits (or refuse)
