@@ -133,6 +133,12 @@
 #                whole (bench_fp8_mlp.py, bf16, fp8_mlp and the no-amax ceiling fp8_mlp_static, tensorwise, 16k) on the 8B layer and 1B shapes with
 #                TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=0 and =1; $OUT/fp8_tune.jsonl. The values do not change (block
 #                sizes only; amax is a max). A step with it: set the variable in front of fp8_short. About 3 min
+#   fp8_tiling   whether inductor's N-d tiling speeds FP8's transposing casts (the 8B profile's largest cast kernel, 1.2 ms a
+#                layer, writes a float8 copy and its transpose; pytorch/pytorch#133242 and #130015 describe the pattern):
+#                one MLP compiled whole on the 8B layer shape at 16k, bf16 and fp8_mlp, tensorwise, with inductor's
+#                defaults and with triton.prefer_nd_tiling=True ($TILING_CONFIGS: more `--inductor` settings, separated
+#                by spaces), each with its 14 largest GPU kernels of one step (--profile); $OUT/fp8_tiling.jsonl, and
+#                each run's generated FP8 code in $OUT/fp8_tiling_code_<n>/. About 3 min
 #   fp8_track    FP8's accuracy against bf16: $FP8_TRACK_STEPS (default 500) steps of the Llama-3.2-1B shape on the shipped
 #                corpus (data=demo, $FP8_TRACK_SEQ tokens a row, default 4096, lr $FP8_TRACK_LR, default 1e-4) in bf16,
 #                in fp8 ($FP8_TRACK_ARGS more overrides, e.g. fp8.linears=all) and a rounding-only control (bf16, loss
@@ -361,6 +367,13 @@ for name, a in zip(('liger', 'control'), runs):
                   --recipes tensorwise --variants bf16,fp8_mlp,fp8_mlp_static --tokens 16384 2>&1 | grep -E '^\{|Error' \
                   | sed "s/^{/{\"coordinate_descent_tuning\": $t, /" | tee -a "$OUT/fp8_tune.jsonl"
               done; done ;;
+    fp8_tiling) n=0; for c in "" ${TILING_CONFIGS:-triton.prefer_nd_tiling=True}; do
+                  n=$((n + 1)); TORCHINDUCTOR_CACHE_DIR=/tmp/fp8_tiling_$n python3 scripts/bench/bench_fp8_mlp.py \
+                    --model llama3_1_8b_shape --recipes tensorwise --variants bf16,fp8_mlp --tokens 16384 --profile 14 \
+                    --inductor "$c" 2>&1 | grep -E '^\{|Error' | tee -a "$OUT/fp8_tiling.jsonl"
+                  mkdir -p "$OUT/fp8_tiling_code_$n"
+                  grep -rl scaled_mm "/tmp/fp8_tiling_$n" --include='*.py' | head -20 | xargs -r cp -t "$OUT/fp8_tiling_code_$n"
+                done ;;
     fp8_track) for k in ${FP8_TRACK_KINDS:-bf16 fp8 control}; do
                  n=1; cp="parallelism.cp=1"
                  case $k in *_cp2) n=2; cp="parallelism.cp=2 dist_backend=gloo" ;; esac  # both ranks on one GPU
