@@ -157,10 +157,11 @@ def main():
     ap.add_argument("--profile", type=int, default=0, help="after timing, profile one step and print its N largest "
                     "GPU kernels (full names, total ms) as one JSON line")
     args = ap.parse_args()
+    import torch._inductor.config as inductor_config
     for item in filter(None, args.inductor.split(",")):
         key, value = item.split("=", 1)
         *path, leaf = key.split(".")
-        node = torch._inductor.config
+        node = inductor_config
         for part in path:
             node = getattr(node, part)
         setattr(node, leaf, ast.literal_eval(value))
