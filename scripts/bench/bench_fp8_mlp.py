@@ -16,6 +16,12 @@ Why: precision=fp8's speed rests on how the amax / scale / cast kernels around e
   backward casts equal the forward's, so the numbers are fp8_mlp's bit for bit); `fp8_mlp_once_x`: x only. An
   experiment: on an H100 neither was faster than `fp8_mlp` (inductor already shares the casts across the region's
   forward and backward), and both peaked higher (docs/benchmarks.md, 2026-12-06, eighth part).
+- `fp8_mlp_static`: every scale fixed in advance from one bf16 pass, so no amax pass at all: the ceiling of any
+  recipe whose scales need no amax pass of their own;
+- `fp8_mlp_delayed`: as `fp8_mlp_static`, and each cast operand's amax taken as well, as delayed scaling must (for
+  the next step's scale): forward amaxes written into buffers, backward ones returned as a sink's gradient. What
+  inductor makes of that decides whether delayed scaling can pay: where it fuses each amax into its cast kernel
+  this variant runs as fast as the static one, where not as slow as `fp8_mlp` (torchtitan's PR 698 found the latter).
 Each JSON line: variant, recipe, tokens, median ms of forward + backward (input and weight gradients), peak memory of
 the timed steps, the ratio to `bf16`, the forward output's relative distance from bf16's, and whether the
 `fp8_mlp_*` variants' output and gradients equal `fp8_mlp`'s bit for bit (the cast-once ones should; the
@@ -64,19 +70,21 @@ def cast_once_forward(linear: torch.nn.Module, weight: bool, x: torch.Tensor) ->
 @torch._dynamo.allow_in_graph
 class _GradToFloat8Static(torch.autograd.Function):
     """Forward: nothing. Backward: the gradient to float8_e5m2 with a fixed scale, which torchao's matmul then takes
-    as it is for both of its GEMMs (torchao's NoopFwToFloat8BwDynamic with the amax pass taken out)."""
+    as it is for both of its GEMMs (torchao's NoopFwToFloat8BwDynamic with the amax pass taken out). `sink`: None, or
+    a 0-dim fp32 leaf whose gradient receives the gradient's amax (fp8_mlp_delayed: the amax stays in the graph)."""
 
     @staticmethod
-    def forward(ctx, y, scale, mm):
+    def forward(ctx, y, scale, mm, sink):
         ctx.save_for_backward(scale)
-        ctx.mm = mm
+        ctx.mm, ctx.sink = mm, sink is not None
         return y
 
     @staticmethod
     def backward(ctx, g):
         from torchao.float8.float8_training_tensor import GemmInputRole, hp_tensor_and_scale_to_float8
         (scale,) = ctx.saved_tensors
-        return hp_tensor_and_scale_to_float8(g, scale, torch.float8_e5m2, ctx.mm, GemmInputRole.GRAD_OUTPUT), None, None
+        g8 = hp_tensor_and_scale_to_float8(g, scale, torch.float8_e5m2, ctx.mm, GemmInputRole.GRAD_OUTPUT)
+        return g8, None, None, (g.abs().amax().float() if ctx.sink else None)
 
 
 def static_scales(m: torch.nn.Module, x: torch.Tensor, g: torch.Tensor) -> dict:
@@ -96,20 +104,34 @@ def static_scales(m: torch.nn.Module, x: torch.Tensor, g: torch.Tensor) -> dict:
     return {k: amax_to_scale(t.detach().abs().max().float(), dtype) for k, (t, dtype) in amaxes.items()}
 
 
-def static_mlp_forward(m: torch.nn.Module, scales: dict, x: torch.Tensor) -> torch.Tensor:
+def static_mlp_forward(m: torch.nn.Module, scales: dict, x: torch.Tensor, amax: dict = None) -> torch.Tensor:
+    """`amax`: None (fp8_mlp_static), or fp8_mlp_delayed's record: a 0-dim fp32 buffer per forward operand (x, h and
+    the weights), each overwritten with that operand's amax, and a sink leaf per gradient (d_gate, d_up, d_down)."""
     from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
     from torchao.float8.float8_training_tensor import GemmInputRole, hp_tensor_and_scale_to_float8
     e4 = torch.float8_e4m3fn
 
+    def cast(name, t, role, mm):
+        if amax is not None:
+            amax[name].copy_(t.detach().abs().amax().float())
+        return hp_tensor_and_scale_to_float8(t, scales[name], e4, mm, role)
+
     def linear(name, x8):
         lin = getattr(m, f"{name}_proj")
-        w8 = hp_tensor_and_scale_to_float8(lin.weight, scales[name], e4, lin.linear_mm_config, GemmInputRole.WEIGHT)
+        w8 = cast(name, lin.weight, GemmInputRole.WEIGHT, lin.linear_mm_config)
         y = matmul_with_hp_or_float8_args.apply(x8, w8.t(), lin.linear_mm_config, lin.config)
-        return _GradToFloat8Static.apply(y, scales[f"d_{name}"], lin.linear_mm_config)
-    x8 = hp_tensor_and_scale_to_float8(x, scales["x"], e4, m.gate_proj.linear_mm_config, GemmInputRole.INPUT)
+        sink = amax[f"d_{name}"] if amax is not None else None
+        return _GradToFloat8Static.apply(y, scales[f"d_{name}"], lin.linear_mm_config, sink)
+    x8 = cast("x", x, GemmInputRole.INPUT, m.gate_proj.linear_mm_config)
     h = m.act_fn(linear("gate", x8)) * linear("up", x8)
-    return linear("down", hp_tensor_and_scale_to_float8(h, scales["h"], e4, m.down_proj.linear_mm_config,
-                                                         GemmInputRole.INPUT))
+    return linear("down", cast("h", h, GemmInputRole.INPUT, m.down_proj.linear_mm_config))
+
+
+def delayed_record(device) -> dict:
+    """fp8_mlp_delayed's amax buffers (forward operands) and sinks (gradients: leaves whose .grad takes the amax)."""
+    record = {k: torch.zeros((), device=device) for k in ("x", "h", "gate", "up", "down")}
+    record.update({k: torch.zeros((), device=device, requires_grad=True) for k in ("d_gate", "d_up", "d_down")})
+    return record
 
 
 def variant(base: torch.nn.Module, name: str, recipe: str, x: torch.Tensor, g: torch.Tensor) -> torch.nn.Module:
@@ -123,8 +145,11 @@ def variant(base: torch.nn.Module, name: str, recipe: str, x: torch.Tensor, g: t
     if name == "fp8_per_linear":
         for lin in (m.gate_proj, m.up_proj, m.down_proj):
             lin.forward = torch.compile(lin.forward)
-    elif name == "fp8_mlp_static":
-        m.forward = functools.partial(static_mlp_forward, m, static_scales(base, x, g))
+    elif name in ("fp8_mlp_static", "fp8_mlp_delayed"):
+        record = delayed_record(x.device) if name == "fp8_mlp_delayed" else None
+        m.scales = static_scales(base, x, g)
+        m.forward = functools.partial(static_mlp_forward, m, m.scales, amax=record)
+        m.amax_record = record
         m = torch.compile(m)
     elif name in ("fp8_mlp", "fp8_mlp_once", "fp8_mlp_once_x"):
         if name != "fp8_mlp":
@@ -179,10 +204,14 @@ def main():
                 torch._dynamo.reset()  # each variant compiles afresh: no shapes or dynamism from another variant
                 m = variant(base, name, recipe, x, g)
 
+                record = getattr(m, "amax_record", None)
+
                 def step():
                     x.grad = None
                     for p in m.parameters():
                         p.grad = None
+                    for sink in (record or {}).values():
+                        sink.grad = None
                     m(x).backward(g)
                 for _ in range(3):  # compile, autotune, warm
                     step()
@@ -198,6 +227,13 @@ def main():
                         if name.startswith("fp8_mlp_") and fp8_mlp_grads is not None else None)
                 if name == "bf16":
                     ref_out, ref_ms = out, ms
+                # fp8_mlp_delayed: the amaxes it took, against those its fixed scales came from (scale = float8 max /
+                # amax, from bf16's pass): about 1e-7 for x, the weights and d_down, about 1e-2 for h and the gate/up
+                # gradients (FP8 GEMMs made them here, bf16 ones there); 1 where an amax was left out of the graph
+                amax_err = None if record is None else max(
+                    abs(float(t.grad if t.requires_grad else t) * float(m.scales[k]) /
+                        torch.finfo(torch.float8_e5m2 if k.startswith("d_") else torch.float8_e4m3fn).max - 1)
+                    for k, t in record.items())
                 err = float((out - ref_out).norm() / ref_out.norm())
                 if args.profile:
                     print(json.dumps({"bench": "fp8_mlp_kernels", "variant": name, "inductor": args.inductor,
@@ -207,7 +243,7 @@ def main():
                                   "recipe": recipe if name.startswith("fp8") else "-", "ms": round(ms, 3),
                                   "peak_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 3),
                                   "speedup_vs_bf16": round(ref_ms / ms, 3), "rel_err_vs_bf16": float(f"{err:.3e}"),
-                                  "output_and_grads_equal_fp8_mlp": same}),
+                                  "output_and_grads_equal_fp8_mlp": same, "amax_rel_err": amax_err}),
                       flush=True)
                 del m
 

@@ -139,6 +139,10 @@
 #                defaults and with triton.prefer_nd_tiling=True ($TILING_CONFIGS: more `--inductor` settings, separated
 #                by spaces), each with its 14 largest GPU kernels of one step (--profile); $OUT/fp8_tiling.jsonl, and
 #                each run's generated FP8 code in $OUT/fp8_tiling_code_<n>/. About 3 min
+#   fp8_delayed  whether delayed scaling could pay under inductor: one MLP compiled whole on the 8B layer and 1B shapes
+#                at 16k, tensorwise: fp8_mlp (dynamic scaling), fp8_mlp_static (no amax at all) and fp8_mlp_delayed
+#                (fixed scales, every operand's amax still taken, as delayed scaling must), each with its 16 largest
+#                kernels; $OUT/fp8_delayed.jsonl. About 3 min
 #   fp8_track    FP8's accuracy against bf16: $FP8_TRACK_STEPS (default 500) steps of the Llama-3.2-1B shape on the shipped
 #                corpus (data=demo, $FP8_TRACK_SEQ tokens a row, default 4096, lr $FP8_TRACK_LR, default 1e-4) in bf16,
 #                in fp8 ($FP8_TRACK_ARGS more overrides, e.g. fp8.linears=all) and a rounding-only control (bf16, loss
@@ -367,6 +371,11 @@ for name, a in zip(('liger', 'control'), runs):
                   --recipes tensorwise --variants bf16,fp8_mlp,fp8_mlp_static --tokens 16384 2>&1 | grep -E '^\{|Error' \
                   | sed "s/^{/{\"coordinate_descent_tuning\": $t, /" | tee -a "$OUT/fp8_tune.jsonl"
               done; done ;;
+    fp8_delayed) for m in llama3_1_8b_shape llama3_2_1b; do
+                   python3 scripts/bench/bench_fp8_mlp.py --model $m --recipes tensorwise --tokens 16384 --profile 16 \
+                     --variants bf16,fp8_mlp,fp8_mlp_static,fp8_mlp_delayed 2>&1 | grep -E '^\{|Error' \
+                     | tee -a "$OUT/fp8_delayed.jsonl"
+                 done ;;
     fp8_tiling) n=0; for c in "" ${TILING_CONFIGS:-triton.prefer_nd_tiling=True}; do
                   n=$((n + 1)); TORCHINDUCTOR_CACHE_DIR=/tmp/fp8_tiling_$n python3 scripts/bench/bench_fp8_mlp.py \
                     --model llama3_1_8b_shape --recipes tensorwise --variants bf16,fp8_mlp --tokens 16384 --profile 14 \
