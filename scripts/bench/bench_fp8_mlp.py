@@ -22,6 +22,8 @@ Why: precision=fp8's speed rests on how the amax / scale / cast kernels around e
   the next step's scale): forward amaxes written into buffers, backward ones returned as a sink's gradient. What
   inductor makes of that decides whether delayed scaling can pay: where it fuses each amax into its cast kernel
   this variant runs as fast as the static one, where not as slow as `fp8_mlp` (torchtitan's PR 698 found the latter).
+- `fp8_mlp_fused`: a prototype (fp8_fused_mlp.py): the static scales, and our own Triton casts that take each amax
+  in the same pass as the cast and its transposed copy (no torch.compile); what delayed scaling could run at.
 Each JSON line: variant, recipe, tokens, median ms of forward + backward (input and weight gradients), peak memory of
 the timed steps, the ratio to `bf16`, the forward output's relative distance from bf16's, and whether the
 `fp8_mlp_*` variants' output and gradients equal `fp8_mlp`'s bit for bit (the cast-once ones should; the
@@ -145,6 +147,11 @@ def variant(base: torch.nn.Module, name: str, recipe: str, x: torch.Tensor, g: t
     if name == "fp8_per_linear":
         for lin in (m.gate_proj, m.up_proj, m.down_proj):
             lin.forward = torch.compile(lin.forward)
+    elif name == "fp8_mlp_fused":
+        from fp8_fused_mlp import NAMES, fused_mlp_forward
+        m.scales, amax = static_scales(base, x, g), torch.zeros(len(NAMES), device=x.device)
+        m.forward = functools.partial(fused_mlp_forward, m, m.scales, amax)
+        m.amax_record = dict(zip(NAMES, amax.unbind()))
     elif name in ("fp8_mlp_static", "fp8_mlp_delayed"):
         record = delayed_record(x.device) if name == "fp8_mlp_delayed" else None
         m.scales = static_scales(base, x, g)
@@ -196,7 +203,7 @@ def main():
     for s in (int(t) for t in args.tokens.split(",")):
         x = torch.randn(s, hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
         g = torch.randn(s, hidden, device=device, dtype=torch.bfloat16)
-        ref_out, ref_ms, fp8_mlp_grads = None, None, None
+        ref_out, ref_ms, fp8_mlp_grads, static_grads = None, None, None, None
         for recipe in args.recipes.split(","):
             for name in args.variants.split(","):
                 if name.startswith("bf16") and recipe != args.recipes.split(",")[0]:
@@ -223,6 +230,12 @@ def main():
                 grads = [out, x.grad.clone()] + [p.grad.clone() for p in m.parameters()]
                 if name == "fp8_mlp":
                     fp8_mlp_grads = grads
+                if name == "fp8_mlp_static":
+                    static_grads = grads
+                # the fixed-scale variants against fp8_mlp_static (the same scales): the largest relative distance
+                # of the output and the gradients
+                to_static = (max(float((a - b).float().norm() / b.float().norm()) for a, b in zip(grads, static_grads))
+                             if name in ("fp8_mlp_delayed", "fp8_mlp_fused") and static_grads is not None else None)
                 same = (all(torch.equal(a, b) for a, b in zip(grads, fp8_mlp_grads))
                         if name.startswith("fp8_mlp_") and fp8_mlp_grads is not None else None)
                 if name == "bf16":
@@ -243,7 +256,8 @@ def main():
                                   "recipe": recipe if name.startswith("fp8") else "-", "ms": round(ms, 3),
                                   "peak_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 3),
                                   "speedup_vs_bf16": round(ref_ms / ms, 3), "rel_err_vs_bf16": float(f"{err:.3e}"),
-                                  "output_and_grads_equal_fp8_mlp": same, "amax_rel_err": amax_err}),
+                                  "output_and_grads_equal_fp8_mlp": same, "amax_rel_err": amax_err,
+                                  "rel_dist_static": to_static}),
                       flush=True)
                 del m
 

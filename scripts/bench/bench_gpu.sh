@@ -141,8 +141,9 @@
 #                each run's generated FP8 code in $OUT/fp8_tiling_code_<n>/. About 3 min
 #   fp8_delayed  whether delayed scaling could pay under inductor: one MLP compiled whole on the 8B layer and 1B shapes
 #                at 16k, tensorwise: fp8_mlp (dynamic scaling), fp8_mlp_static (no amax at all) and fp8_mlp_delayed
-#                (fixed scales, every operand's amax still taken, as delayed scaling must), each with its 16 largest
-#                kernels; $OUT/fp8_delayed.jsonl. About 3 min
+#                (fixed scales, every operand's amax still taken, as delayed scaling must) and fp8_mlp_fused (the same
+#                with our own Triton casts, each amax taken in its cast's pass: scripts/bench/fp8_fused_mlp.py), each
+#                with its 16 largest kernels; $OUT/fp8_delayed.jsonl. About 3 min
 #   fp8_track    FP8's accuracy against bf16: $FP8_TRACK_STEPS (default 500) steps of the Llama-3.2-1B shape on the shipped
 #                corpus (data=demo, $FP8_TRACK_SEQ tokens a row, default 4096, lr $FP8_TRACK_LR, default 1e-4) in bf16,
 #                in fp8 ($FP8_TRACK_ARGS more overrides, e.g. fp8.linears=all) and a rounding-only control (bf16, loss
@@ -373,7 +374,7 @@ for name, a in zip(('liger', 'control'), runs):
               done; done ;;
     fp8_delayed) for m in llama3_1_8b_shape llama3_2_1b; do
                    python3 scripts/bench/bench_fp8_mlp.py --model $m --recipes tensorwise --tokens 16384 --profile 16 \
-                     --variants bf16,fp8_mlp,fp8_mlp_static,fp8_mlp_delayed 2>&1 | grep -E '^\{|Error' \
+                     --variants bf16,fp8_mlp,fp8_mlp_static,fp8_mlp_delayed,fp8_mlp_fused 2>&1 | grep -E '^\{|Error' \
                      | tee -a "$OUT/fp8_delayed.jsonl"
                  done ;;
     fp8_tiling) n=0; for c in "" ${TILING_CONFIGS:-triton.prefer_nd_tiling=True}; do

@@ -1,0 +1,70 @@
+"""Triton kernels of fp8_fused_mlp.py (a prototype; shapes and names there): each reads its operands once, casts to
+float8 with a given tensorwise scale (fp32 product, clamp, one rounding, as inductor's casts do), writes the row-major
+and / or the transposed copy, and raises the operand's amax with an atomic max."""
+import triton
+import triton.language as tl
+from torch._inductor.runtime.triton_helpers import libdevice
+
+
+@triton.jit
+def _store_cast(v, scale, fmax, out_ptr, out_t_ptr, rm, rn, M, N, mask, ROWS: tl.constexpr, COLS: tl.constexpr):
+    y = tl.minimum(tl.maximum(v * scale, -fmax), fmax)
+    if ROWS:
+        tl.store(out_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+    if COLS:
+        tl.store(out_t_ptr + rn[:, None].to(tl.int64) * M + rm[None, :],
+                 tl.trans(y).to(out_t_ptr.dtype.element_ty), mask=tl.trans(mask))
+
+
+@triton.jit
+def _amax(v, amax_ptr):
+    tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(v), axis=1), axis=0))
+
+
+@triton.jit
+def cast(x_ptr, scale_ptr, amax_ptr, out_ptr, out_t_ptr, M, N, FMAX: tl.constexpr, ROWS: tl.constexpr,
+         COLS: tl.constexpr, AMAX: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    x = tl.load(x_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+    if AMAX:
+        _amax(x, amax_ptr)
+    _store_cast(x, tl.load(scale_ptr), FMAX, out_ptr, out_t_ptr, rm, rn, M, N, mask, ROWS, COLS)
+
+
+@triton.jit
+def swiglu_fwd(g_ptr, u_ptr, scale_ptr, amax_ptr, h_ptr, M, N, BM: tl.constexpr, BN: tl.constexpr):
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    offs = rm[:, None].to(tl.int64) * N + rn[None, :]
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    h = g / (libdevice.exp(-g) + 1.0) * u
+    _amax(h, amax_ptr)
+    _store_cast(h, tl.load(scale_ptr), 448.0, h_ptr, h_ptr, rm, rn, M, N, mask, True, False)
+
+
+@triton.jit
+def swiglu_bwd(dh_ptr, g_ptr, u_ptr, scale_ptr, amax_ptr, ht_ptr, dg_ptr, dgt_ptr, du_ptr, dut_ptr, M, N,
+               BM: tl.constexpr, BN: tl.constexpr):
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    offs = rm[:, None].to(tl.int64) * N + rn[None, :]
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    dh = tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    e = libdevice.exp(-g) + 1.0
+    silu = g / e
+    sig = 1.0 / e
+    d_up = dh * silu
+    d_gate = dh * u * sig * (g * (1.0 - sig) + 1.0)
+    _amax(d_gate, amax_ptr + 5)
+    _amax(d_up, amax_ptr + 6)
+    # h = silu * u again, transposed, for down's weight gradient (recomputed rather than kept from the forward)
+    _store_cast(silu * u, tl.load(scale_ptr + 1), 448.0, ht_ptr, ht_ptr, rm, rn, M, N, mask, False, True)
+    _store_cast(d_gate, tl.load(scale_ptr + 5), 57344.0, dg_ptr, dgt_ptr, rm, rn, M, N, mask, True, True)
+    _store_cast(d_up, tl.load(scale_ptr + 6), 57344.0, du_ptr, dut_ptr, rm, rn, M, N, mask, True, True)
+
