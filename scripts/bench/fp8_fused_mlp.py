@@ -25,7 +25,6 @@ import torch
 
 NAMES = ("x", "h", "gate", "up", "down", "d_gate", "d_up", "d_down")
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
-BM, BN = 64, 64  # a tile: rows and columns; the transposed store goes through shared memory (tl.trans)
 
 
 @functools.lru_cache(maxsize=None)
@@ -36,6 +35,11 @@ def _kernels():
     return triton.cdiv, k.cast, k.swiglu_fwd, k.swiglu_bwd
 
 
+def _grid(m: int, n: int):
+    cdiv = _kernels()[0]
+    return lambda meta: (cdiv(m, meta["BM"]), cdiv(n, meta["BN"]))
+
+
 def cast(x: torch.Tensor, scales: torch.Tensor, amax: torch.Tensor, i: int, rows: bool = True, cols: bool = False,
          take_amax: bool = True):
     """x [M, N] -> (x8 [M, N] or None, x8t [N, M] or None), float8 of NAMES[i]'s dtype; amax[i] raised to x's."""
@@ -44,10 +48,9 @@ def cast(x: torch.Tensor, scales: torch.Tensor, amax: torch.Tensor, i: int, rows
     out = torch.empty((m, n), dtype=dtype, device=x.device) if rows else None
     out_t = torch.empty((n, m), dtype=dtype, device=x.device) if cols else None
     if x.is_cuda:
-        cdiv, kernel, _, _ = _kernels()
-        kernel[(cdiv(m, BM), cdiv(n, BN))](x, scales[i:], amax[i:], out if rows else out_t, out_t if cols else out,
-                                           m, n, FMAX=torch.finfo(dtype).max, ROWS=rows, COLS=cols, AMAX=take_amax,
-                                           BM=BM, BN=BN, num_warps=4)
+        kernel = _kernels()[1]
+        kernel[_grid(m, n)](x, scales[i:], amax[i:], out if rows else out_t, out_t if cols else out, m, n,
+                            FMAX=torch.finfo(dtype).max, ROWS=rows, COLS=cols, AMAX=take_amax)
         return out, out_t
     # the reference, on the CPU: the same math in torch
     xf = x.float()
@@ -62,8 +65,8 @@ def swiglu_fwd(g: torch.Tensor, u: torch.Tensor, scales: torch.Tensor, amax: tor
     m, n = g.shape
     h8 = torch.empty((m, n), dtype=E4, device=g.device)
     if g.is_cuda:
-        cdiv, _, kernel, _ = _kernels()
-        kernel[(cdiv(m, BM), cdiv(n, BN))](g, u, scales[1:], amax[1:], h8, m, n, BM=BM, BN=BN, num_warps=4)
+        kernel = _kernels()[2]
+        kernel[_grid(m, n)](g, u, scales[1:], amax[1:], h8, m, n)
         return h8
     gf = g.float()
     h = gf / (torch.exp(-gf) + 1) * u.float()
@@ -79,9 +82,8 @@ def swiglu_bwd(dh, g, u, scales, amax):
     dg, du = (torch.empty((m, n), dtype=E5, device=g.device) for _ in range(2))
     dgt, dut = (torch.empty((n, m), dtype=E5, device=g.device) for _ in range(2))
     if g.is_cuda:
-        cdiv, _, _, kernel = _kernels()
-        kernel[(cdiv(m, BM), cdiv(n, BN))](dh, g, u, scales, amax, ht, dg, dgt, du, dut, m, n, BM=BM, BN=BN,
-                                           num_warps=4)
+        kernel = _kernels()[3]
+        kernel[_grid(m, n)](dh, g, u, scales, amax, ht, dg, dgt, du, dut, m, n)
         return ht, dg, dgt, du, dut
     gf, uf, dhf = g.float(), u.float(), dh.float()
     e = torch.exp(-gf) + 1
