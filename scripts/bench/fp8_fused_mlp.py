@@ -98,6 +98,12 @@ def swiglu_bwd(dh, g, u, scales, amax):
     return ht, dg, dgt, du, dut
 
 
+def _reciprocals(scales: torch.Tensor) -> list:
+    """Each scale's reciprocal as a tensor of its own: cuBLAS refuses (NOT_SUPPORTED) a scale pointer that is a view
+    into a vector (8 bytes past an aligned start), which torch._scaled_mm passes on unchecked."""
+    return [s.reciprocal() for s in scales.unbind()]
+
+
 def _mm(a8, b8, inv_a, inv_b, fast: bool) -> torch.Tensor:
     """a8 [M, K] row-major @ b8 [K, N] column-major, dequantised by the reciprocal scales, bf16 out."""
     return torch._scaled_mm(a8, b8, scale_a=inv_a, scale_b=inv_b, out_dtype=torch.bfloat16, use_fast_accum=fast)
@@ -108,7 +114,7 @@ class FusedFp8Mlp(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w_gate, w_up, w_down, scales, amax):
-        inv = scales.reciprocal()
+        inv = _reciprocals(scales)
         x8, x8t = cast(x, scales, amax, 0, rows=True, cols=True)
         (wg8, wg8t), (wu8, wu8t), (wd8, wd8t) = (cast(w, scales, amax, i, rows=True, cols=True)
                                                  for i, w in ((2, w_gate), (3, w_up), (4, w_down)))
@@ -123,7 +129,7 @@ class FusedFp8Mlp(torch.autograd.Function):
     def backward(ctx, dy):
         x8t, g, u, wg8t, wu8t, wd8t, scales = ctx.saved_tensors
         amax = ctx.amax
-        inv = scales.reciprocal()
+        inv = _reciprocals(scales)
         dy8, dy8t = cast(dy.contiguous(), scales, amax, 7, rows=True, cols=True)
         dh = _mm(dy8, wd8t.t(), inv[7], inv[4], False)
         ht, dg, dgt, du, dut = swiglu_bwd(dh, g, u, scales, amax)
