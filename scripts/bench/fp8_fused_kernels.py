@@ -16,6 +16,14 @@ def _store_cast(v, scale, fmax, out_ptr, out_t_ptr, rm, rn, M, N, mask, ROWS: tl
 
 
 @triton.jit
+def _tile(M, N, BM: tl.constexpr, BN: tl.constexpr):
+    """This program's tile of an [M, N] row-major tensor: its rows, its columns, the in-bounds mask, the offsets."""
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    return rm, rn, (rm[:, None] < M) & (rn[None, :] < N), rm[:, None].to(tl.int64) * N + rn[None, :]
+
+
+@triton.jit
 def _amax(v, amax_ptr):
     tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(v), axis=1), axis=0))
 
@@ -30,10 +38,8 @@ TILES = [triton.Config({"BM": bm, "BN": bn}, num_warps=w) for bm, bn, w in
 @triton.jit
 def cast(x_ptr, scale_ptr, amax_ptr, out_ptr, out_t_ptr, M, N, FMAX: tl.constexpr, ROWS: tl.constexpr,
          COLS: tl.constexpr, AMAX: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-    rm = tl.program_id(0) * BM + tl.arange(0, BM)
-    rn = tl.program_id(1) * BN + tl.arange(0, BN)
-    mask = (rm[:, None] < M) & (rn[None, :] < N)
-    x = tl.load(x_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+    rm, rn, mask, offs = _tile(M, N, BM, BN)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if AMAX:
         _amax(x, amax_ptr)
     _store_cast(x, tl.load(scale_ptr), FMAX, out_ptr, out_t_ptr, rm, rn, M, N, mask, ROWS, COLS)
@@ -42,10 +48,7 @@ def cast(x_ptr, scale_ptr, amax_ptr, out_ptr, out_t_ptr, M, N, FMAX: tl.constexp
 @triton.autotune(configs=TILES, key=["M", "N"])
 @triton.jit
 def swiglu_fwd(g_ptr, u_ptr, scale_ptr, amax_ptr, h_ptr, M, N, BM: tl.constexpr, BN: tl.constexpr):
-    rm = tl.program_id(0) * BM + tl.arange(0, BM)
-    rn = tl.program_id(1) * BN + tl.arange(0, BN)
-    mask = (rm[:, None] < M) & (rn[None, :] < N)
-    offs = rm[:, None].to(tl.int64) * N + rn[None, :]
+    rm, rn, mask, offs = _tile(M, N, BM, BN)
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     h = g / (libdevice.exp(-g) + 1.0) * u
@@ -57,10 +60,7 @@ def swiglu_fwd(g_ptr, u_ptr, scale_ptr, amax_ptr, h_ptr, M, N, BM: tl.constexpr,
 @triton.jit
 def swiglu_bwd(dh_ptr, g_ptr, u_ptr, scale_ptr, amax_ptr, ht_ptr, dg_ptr, dgt_ptr, du_ptr, dut_ptr, M, N,
                BM: tl.constexpr, BN: tl.constexpr):
-    rm = tl.program_id(0) * BM + tl.arange(0, BM)
-    rn = tl.program_id(1) * BN + tl.arange(0, BN)
-    mask = (rm[:, None] < M) & (rn[None, :] < N)
-    offs = rm[:, None].to(tl.int64) * N + rn[None, :]
+    rm, rn, mask, offs = _tile(M, N, BM, BN)
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     dh = tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
