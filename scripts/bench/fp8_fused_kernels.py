@@ -36,13 +36,12 @@ TILES = [triton.Config({"BM": bm, "BN": bn}, num_warps=w) for bm, bn, w in
 
 @triton.autotune(configs=TILES, key=["M", "N"])
 @triton.jit
-def cast(x_ptr, scale_ptr, amax_ptr, out_ptr, out_t_ptr, M, N, FMAX: tl.constexpr, ROWS: tl.constexpr,
-         COLS: tl.constexpr, AMAX: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+def cast(x_ptr, scale_ptr, amax_ptr, out_ptr, out_t_ptr, M, N, FMAX: tl.constexpr, BM: tl.constexpr,
+         BN: tl.constexpr):
     rm, rn, mask, offs = _tile(M, N, BM, BN)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if AMAX:
-        _amax(x, amax_ptr)
-    _store_cast(x, tl.load(scale_ptr), FMAX, out_ptr, out_t_ptr, rm, rn, M, N, mask, ROWS, COLS)
+    _amax(x, amax_ptr)
+    _store_cast(x, tl.load(scale_ptr), FMAX, out_ptr, out_t_ptr, rm, rn, M, N, mask, True, True)
 
 
 @triton.autotune(configs=TILES, key=["M", "N"])

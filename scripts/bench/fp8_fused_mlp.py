@@ -30,60 +30,58 @@ E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 @functools.lru_cache(maxsize=None)
 def _kernels():
     """The Triton kernels (fp8_fused_kernels.py, imported on first use: the CPU path needs no Triton)."""
-    import triton
-    import fp8_fused_kernels as k
-    return triton.cdiv, k.cast, k.swiglu_fwd, k.swiglu_bwd
+    import fp8_fused_kernels
+    return fp8_fused_kernels
 
 
 def _grid(m: int, n: int):
-    cdiv = _kernels()[0]
+    from triton import cdiv
     return lambda meta: (cdiv(m, meta["BM"]), cdiv(n, meta["BN"]))
 
 
-def cast(x: torch.Tensor, scales: torch.Tensor, amax: torch.Tensor, i: int, rows: bool = True, cols: bool = False,
-         take_amax: bool = True):
-    """x [M, N] -> (x8 [M, N] or None, x8t [N, M] or None), float8 of NAMES[i]'s dtype; amax[i] raised to x's."""
+def _f8(v: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The reference cast on the CPU: fp32 product, clamped to the float8 range, one rounding (torchao's)."""
+    from torchao.float8.float8_utils import to_fp8_saturated
+    return to_fp8_saturated(v * scale, dtype)
+
+
+def cast(x: torch.Tensor, scales: torch.Tensor, amax: torch.Tensor, i: int):
+    """x [M, N] -> (x8 [M, N], x8t [N, M]), float8 of NAMES[i]'s dtype; amax[i] raised to x's."""
     dtype = E5 if NAMES[i].startswith("d_") else E4
     m, n = x.shape
-    out = torch.empty((m, n), dtype=dtype, device=x.device) if rows else None
-    out_t = torch.empty((n, m), dtype=dtype, device=x.device) if cols else None
     if x.is_cuda:
-        kernel = _kernels()[1]
-        kernel[_grid(m, n)](x, scales[i:], amax[i:], out if rows else out_t, out_t if cols else out, m, n,
-                            FMAX=torch.finfo(dtype).max, ROWS=rows, COLS=cols, AMAX=take_amax)
+        out = torch.empty((m, n), dtype=dtype, device=x.device)
+        out_t = torch.empty((n, m), dtype=dtype, device=x.device)
+        _kernels().cast[_grid(m, n)](x, scales[i:], amax[i:], out, out_t, m, n, FMAX=torch.finfo(dtype).max)
         return out, out_t
-    # the reference, on the CPU: the same math in torch
     xf = x.float()
-    if take_amax:
-        amax[i] = torch.maximum(amax[i], xf.abs().amax())
-    y = (xf * scales[i]).clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max).to(dtype)
-    return (y if rows else None), (y.t().contiguous() if cols else None)
+    amax[i] = torch.maximum(amax[i], xf.abs().amax())
+    y = _f8(xf, scales[i], dtype)
+    return y, y.t().contiguous()
 
 
 def swiglu_fwd(g: torch.Tensor, u: torch.Tensor, scales: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
     """g, u [T, I] bf16 -> h8 [T, I] e4m3 with scales[1]; amax[1] raised to h's."""
     m, n = g.shape
-    h8 = torch.empty((m, n), dtype=E4, device=g.device)
     if g.is_cuda:
-        kernel = _kernels()[2]
-        kernel[_grid(m, n)](g, u, scales[1:], amax[1:], h8, m, n)
+        h8 = torch.empty((m, n), dtype=E4, device=g.device)
+        _kernels().swiglu_fwd[_grid(m, n)](g, u, scales[1:], amax[1:], h8, m, n)
         return h8
     gf = g.float()
     h = gf / (torch.exp(-gf) + 1) * u.float()
     amax[1] = torch.maximum(amax[1], h.abs().amax())
-    return (h * scales[1]).clamp(-448, 448).to(E4)
+    return _f8(h, scales[1], E4)
 
 
 def swiglu_bwd(dh, g, u, scales, amax):
     """dh, g, u [T, I] bf16 -> h8t [I, T] e4m3, d_gate8 [T, I], d_gate8t [I, T], d_up8, d_up8t (e5m2); amax[5], amax[6]
     raised to d_gate's and d_up's."""
     m, n = g.shape
-    ht = torch.empty((n, m), dtype=E4, device=g.device)
-    dg, du = (torch.empty((m, n), dtype=E5, device=g.device) for _ in range(2))
-    dgt, dut = (torch.empty((n, m), dtype=E5, device=g.device) for _ in range(2))
     if g.is_cuda:
-        kernel = _kernels()[3]
-        kernel[_grid(m, n)](dh, g, u, scales, amax, ht, dg, dgt, du, dut, m, n)
+        ht = torch.empty((n, m), dtype=E4, device=g.device)
+        dg, du = (torch.empty((m, n), dtype=E5, device=g.device) for _ in range(2))
+        dgt, dut = (torch.empty((n, m), dtype=E5, device=g.device) for _ in range(2))
+        _kernels().swiglu_bwd[_grid(m, n)](dh, g, u, scales, amax, ht, dg, dgt, du, dut, m, n)
         return ht, dg, dgt, du, dut
     gf, uf, dhf = g.float(), u.float(), dh.float()
     e = torch.exp(-gf) + 1
@@ -91,11 +89,8 @@ def swiglu_bwd(dh, g, u, scales, amax):
     d_up, d_gate = dhf * silu, dhf * uf * sig * (gf * (1 - sig) + 1)
     amax[5] = torch.maximum(amax[5], d_gate.abs().amax())
     amax[6] = torch.maximum(amax[6], d_up.abs().amax())
-    ht.copy_(((silu * uf) * scales[1]).clamp(-448, 448).to(E4).t())
-    for v, s, o, ot in ((d_gate, scales[5], dg, dgt), (d_up, scales[6], du, dut)):
-        o.copy_((v * s).clamp(-57344, 57344).to(E5))
-        ot.copy_(o.t())
-    return ht, dg, dgt, du, dut
+    dg, du = _f8(d_gate, scales[5], E5), _f8(d_up, scales[6], E5)
+    return _f8(silu * uf, scales[1], E4).t().contiguous(), dg, dg.t().contiguous(), du, du.t().contiguous()
 
 
 def _reciprocals(scales: torch.Tensor) -> list:
@@ -115,9 +110,9 @@ class FusedFp8Mlp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_gate, w_up, w_down, scales, amax):
         inv = _reciprocals(scales)
-        x8, x8t = cast(x, scales, amax, 0, rows=True, cols=True)
-        (wg8, wg8t), (wu8, wu8t), (wd8, wd8t) = (cast(w, scales, amax, i, rows=True, cols=True)
-                                                 for i, w in ((2, w_gate), (3, w_up), (4, w_down)))
+        x8, x8t = cast(x, scales, amax, 0)
+        (wg8, wg8t), (wu8, wu8t), (wd8, wd8t) = (cast(w, scales, amax, i) for i, w in ((2, w_gate), (3, w_up),
+                                                                                       (4, w_down)))
         g = _mm(x8, wg8.t(), inv[0], inv[2], True)
         u = _mm(x8, wu8.t(), inv[0], inv[3], True)
         h8 = swiglu_fwd(g, u, scales, amax)
@@ -130,7 +125,7 @@ class FusedFp8Mlp(torch.autograd.Function):
         x8t, g, u, wg8t, wu8t, wd8t, scales = ctx.saved_tensors
         amax = ctx.amax
         inv = _reciprocals(scales)
-        dy8, dy8t = cast(dy.contiguous(), scales, amax, 7, rows=True, cols=True)
+        dy8, dy8t = cast(dy.contiguous(), scales, amax, 7)
         dh = _mm(dy8, wd8t.t(), inv[7], inv[4], False)
         ht, dg, dgt, du, dut = swiglu_bwd(dh, g, u, scales, amax)
         dx = _mm(dg, wg8t.t(), inv[5], inv[2], False) + _mm(du, wu8t.t(), inv[6], inv[3], False)
