@@ -88,6 +88,8 @@ CONDITIONAL: dict[str, Rule] = {
        for k in ("overlap_comm", "contiguous_gradients", "reduce_bucket_size")},  # ZeRO's buffers; zero0 has none
     **{f"fp8.{k}": Rule(lambda c: c.precision == "fp8", "precision=fp8")
        for k in ("recipe", "linears", "compile", "emulate_on_cpu")},
+    "fp8.amax_history": Rule(lambda c: c.precision == "fp8" and c.fp8.recipe == "delayed",
+                             "precision=fp8 and fp8.recipe=delayed"),
     "moe.dispatcher": Rule(_always, "", moe=True),
     "moe.balance": Rule(_always, "", moe=True),
     "moe.aux_loss_coef": Rule(lambda c: c.moe.balance == "aux", "moe.balance=aux", moe=True),

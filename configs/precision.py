@@ -22,8 +22,10 @@ def bf16_weights(precision: str) -> bool:
 
 # torchao's recipe names (Float8LinearConfig.from_recipe_name): tensorwise (one scale per tensor, the fastest),
 # rowwise (one scale per row: per token for activations, per output feature for weights), rowwise_with_gw_hp
-# (rowwise, the weight gradient's GEMM kept in bf16: the most accurate)
-FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+# (rowwise, the weight gradient's GEMM kept in bf16: the most accurate); and ours, delayed: tensorwise with each gated
+# MLP's scales from the amaxes of the last fp8.amax_history steps, the amax taken inside the cast kernels
+# (kernels/fp8_delayed_mlp.py; any other FP8 linear runs tensorwise)
+FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed")
 # which decoder linears run in FP8: the MLPs' (the default) or all. On an H200 with compiled casts, the 1B shape's
 # q/k/v and o GEMMs ran 0.95x / 0.82x in FP8 at 16k tokens against bf16, gate+up and down 1.38x / 1.33x
 # (docs/precision.md); all-linears rowwise under full_recompute measured 0.93x bf16's step at 16k, and all-linears
@@ -55,6 +57,10 @@ class Fp8Config:
     # run the FP8 GEMMs through torch's CPU float8 matmul: slow and only for checking layouts on CPU (the tests do);
     # without it precision=fp8 on CPU is refused
     emulate_on_cpu: bool = False
+    # fp8.recipe=delayed: how many steps of amaxes a scale is made from (their max). Longer rides out a quiet step
+    # without clamping the next loud one; shorter follows a shrinking range sooner (Transformer Engine's default
+    # history is 1024, torchao's old delayed recipe took 16)
+    amax_history: int = 16
 
 
 def check_fp8(cfg) -> None:
@@ -63,6 +69,8 @@ def check_fp8(cfg) -> None:
     one_of("fp8.recipe", cfg.fp8.recipe, FP8_RECIPES)
     one_of("fp8.linears", cfg.fp8.linears, FP8_LINEARS)
     one_of("fp8.compile", cfg.fp8.compile, FP8_COMPILE)
+    require(cfg.fp8.amax_history >= 1, f"fp8.amax_history must be >= 1 (steps of amaxes a delayed scale is made "
+            f"from), got {cfg.fp8.amax_history}")
     if cfg.precision != "fp8":
         return
     require(runs_on_cuda(cfg.device) or cfg.fp8.emulate_on_cpu,

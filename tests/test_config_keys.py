@@ -48,7 +48,7 @@ UNREAD = {
     **{f"deepspeed.{k}": (["deepspeed=zero0", "parallelism.cp=1", "trainer.global_batch_size=1"], v, 1)
        for k, v in (("overlap_comm", False), ("contiguous_gradients", False), ("reduce_bucket_size", 1000))},
     "fp8.recipe": ([], "rowwise"), "fp8.linears": ([], "all"), "fp8.compile": ([], "false"),
-    "fp8.emulate_on_cpu": ([], True),
+    "fp8.emulate_on_cpu": ([], True), "fp8.amax_history": ([], 8),
     "moe.dispatcher": ([], "alltoall"),
     "moe.balance": ([], "bias"),
     "moe.aux_loss_coef": (["model=tiny_moe", "moe.balance=bias"], 0.01),

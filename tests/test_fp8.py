@@ -26,7 +26,9 @@ ALL = ["fp8.linears=all"]  # every decoder linear (the default is the MLPs'), fo
 @pytest.mark.parametrize("overrides, message", [
     (["precision=fp8", "device=cpu"], r"precision=fp8 needs a GPU with FP8 GEMMs .*set precision=bf16"),
     (["precision=fp8", "device=auto"], r"precision=fp8 needs a GPU .*on the CPU \(device=auto\)"),
-    (FP8 + ["fp8.recipe=delayed"], r"fp8.recipe=delayed"),
+    (FP8 + ["fp8.recipe=dynamic"], r"fp8.recipe=dynamic"),
+    (FP8 + ["fp8.recipe=delayed", "fp8.amax_history=0"], r"fp8.amax_history must be >= 1"),
+    (FP8 + ["fp8.amax_history=8"], r"fp8.amax_history.*fp8.recipe=delayed"),  # set, and never read
     (FP8 + ["fp8.linears=attention"], r"fp8.linears=attention"),
     (["precision=bf16", "fp8.recipe=rowwise"], r"fp8.recipe.*precision=fp8"),  # set, and never read
     (["precision=fp32", "fp8.linears=all"], r"fp8.linears.*precision=fp8"),
@@ -362,3 +364,91 @@ def test_fp8_on_a_hybrid_within_fp8s_distance_from_bf16(tmp_path):
     assert _rel(fp8_2[0]["grad_norm"], fp8_1[0]["grad_norm"]) <= d1_grad, (fp8_1[0], fp8_2[0], d1_grad)
     for f1, f2 in zip(fp8_1, fp8_2):
         assert _rel(f2["loss"], f1["loss"]) <= 5 * d1, (f1["step"], f1["loss"], f2["loss"], d1)
+
+
+# --- fp8.recipe=delayed (kernels/fp8_delayed_mlp.py; its Function and scales: tests/test_fp8_delayed.py) -------------
+
+DELAYED = FP8 + ["fp8.recipe=delayed", "deepspeed=zero2"]  # ZeRO-3 on several ranks is refused (below)
+
+
+def test_delayed_binds_the_gated_mlps_and_leaves_the_rest_to_tensorwise():
+    from torchao.float8.float8_linear import Float8Linear
+    model = _tiny()
+    report = apply_fp8(model, "delayed", "all", compile_casts="false")
+    assert report.delayed_mlps == 2 and report.scales.amax.shape == (2, 8)
+    mlp = model.model.layers[0].mlp
+    assert getattr(mlp.forward, "keeps_no_product", False) and type(mlp.gate_proj) is torch.nn.Linear
+    assert {n.rsplit(".", 1)[-1] for n in _fp8_names(model)} == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    assert isinstance(model.model.layers[1].self_attn.o_proj, Float8Linear)
+    assert report.fp8["gate_proj"] == 2 and "delayed scaling" in str(report)
+    assert "tensorwise dynamic scaling on the other 8 FP8 linears" in str(report)
+    # an MLP the Function does not compute (another activation) keeps torchao's tensorwise, and the report says why
+    model = _tiny(hidden_act="gelu")
+    with pytest.raises(UnsupportedError, match=r"no MLP can take delayed scales .*activation is not SiLU"):
+        apply_fp8(model, "delayed", "mlp", compile_casts="false")
+    model = _tiny()
+    model.model.layers[1].mlp.act_fn = torch.nn.GELU()
+    report = apply_fp8(model, "delayed", "mlp", compile_casts="false")
+    assert report.delayed_mlps == 1 and "activation is not SiLU" in report.dynamic_why
+    assert isinstance(model.model.layers[1].mlp.gate_proj, Float8Linear)
+
+
+def test_delayed_under_zero3_partitions_is_refused():
+    with pytest.raises(UnsupportedError, match=r"fp8.recipe=delayed .*ZeRO-3.*zero_stage to 1 or 2"):
+        apply_fp8(_tiny(), "delayed", "mlp", compile_casts="false", partitioned=True)
+
+
+@pytest.fixture(scope="module")
+def delayed_runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("delayed")
+    common = ["trainer.max_steps=4", "precision=bf16", "parallelism.cp=1"]
+    return tmp, {"bf16": train(tmp, "bf16", 1, common), "delayed": train(tmp, "delayed", 1, common + DELAYED)}
+
+
+def test_delayed_trains_within_fp8s_distance_and_logs_its_scales(delayed_runs):
+    _, runs = delayed_runs
+    rows = runs["delayed"]
+    assert rows[0]["fp8"]["recipe"] == "delayed" and rows[0]["fp8"]["delayed_mlps"] == 4
+    assert "fp8_saturated" not in rows[0]  # step 1 is dynamic: nothing to clamp against
+    assert all(r["fp8_saturated"] >= 0 and r["fp8_nonfinite_amax"] == 0 for r in rows[1:])
+    d = [_rel(f["loss"], b["loss"]) for f, b in zip(rows, runs["bf16"])]
+    assert 0 < max(d) < 2e-2, d  # FP8's rounding (tensorwise's measured distance here: up to 4e-3), not more
+
+
+def test_delayed_resumes_with_its_history(delayed_runs, tmp_path):
+    # a resumed run reads the amax history from the checkpoint, so steps 3 and 4 are the uninterrupted run's, bit for
+    # bit; without it step 3 would take dynamic scales (other numbers)
+    tmp, runs = delayed_runs
+    common = ["trainer.max_steps=4", "precision=bf16", "parallelism.cp=1"] + DELAYED
+    first = train(tmp_path, "resumed", 1, common + ["trainer.save_every=2", "trainer.stop_after_steps=2"])
+    assert [r["step"] for r in first] == [1, 2]
+    assert (tmp_path / "resumed" / "checkpoints" / "step_00000002" / "fp8_scales.pt").exists()
+    both = train(tmp_path, "resumed", 1, common)
+    assert [r["step"] for r in both] == [1, 2, 3, 4]
+    for got, ref in zip(both[2:], runs["delayed"][2:]):
+        assert got["loss"] == ref["loss"] and got["grad_norm"] == ref["grad_norm"], (got, ref)
+
+
+@pytest.mark.parametrize("preset", ["full_recompute", "selective", "except_attention_offload", "tiled"])
+def test_delayed_under_recompute_equals_delayed_without(delayed_runs, tmp_path, preset):
+    # a recomputed forward casts with the step's scales and raises the same amaxes: memory=none's trajectory exactly
+    _, runs = delayed_runs
+    got = train(tmp_path, preset, 1, ["trainer.max_steps=4", "precision=bf16", "parallelism.cp=1",
+                                      f"memory={preset}"] + DELAYED)
+    for g, r in zip(got, runs["delayed"]):
+        assert _rel(g["loss"], r["loss"]) < 1e-6 and _rel(g["grad_norm"], r["grad_norm"]) < 1e-6, (preset, g, r)
+
+
+def test_delayed_cp2_within_fp8s_distance_of_cp1(delayed_runs, tmp_path):
+    # cp=2 against world 1, both delayed. Step 1 is dynamic: each rank's scales from its own tokens (as tensorwise),
+    # within FP8's distance from bf16 at world 1 (d1) plus the bf16 layouts' own; from step 2 every rank casts with
+    # the same all-reduced scales. The later steps within 5x the run's largest d1, as tensorwise's bound
+    _, runs = delayed_runs
+    common = ["trainer.max_steps=4", "precision=bf16"]
+    bf16_2 = train(tmp_path, "bf16_w2", 2, common + ["parallelism.cp=2", "deepspeed=zero2"])
+    got = train(tmp_path, "delayed_w2", 2, common + DELAYED + ["parallelism.cp=2"])
+    d1 = [_rel(f["loss"], b["loss"]) for f, b in zip(runs["delayed"], runs["bf16"])]
+    bf16_layout = _rel(bf16_2[0]["loss"], runs["bf16"][0]["loss"])
+    assert _rel(got[0]["loss"], runs["delayed"][0]["loss"]) <= d1[0] + 2 * bf16_layout
+    for g, r in zip(got, runs["delayed"]):
+        assert _rel(g["loss"], r["loss"]) <= 5 * max(d1), (g["step"], g["loss"], r["loss"], d1)

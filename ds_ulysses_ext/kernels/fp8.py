@@ -35,6 +35,8 @@ import torch
 
 from ..errors import UnsupportedError
 from ..memory.recompute import is_known_gated_mlp
+from .fp8_delayed_mlp import bind_delayed_mlp
+from .fp8_scales import DelayedScales
 
 log = logging.getLogger(__name__)
 
@@ -50,24 +52,40 @@ class Fp8Report:
     recipe: str
     fp8: Counter = field(default_factory=Counter)  # leaf name -> how many run in FP8
     bf16: dict = field(default_factory=dict)  # leaf name -> why it stays bf16
-    compiled: str = "false"  # the casts' compiled regions as they formed: regions, mlp, linear or false
+    compiled: str = "false"  # the casts' compiled regions as they formed: regions, mlp, linear, false, or delayed
+    # (every FP8 linear in a delayed MLP: kernels/fp8_casts.py's kernels, nothing compiled)
     whole_mlps: int = 0  # gated MLPs compiled as one region (compiled=mlp); their linears' own forwards compiled too
     qkv_regions: int = 0  # attention modules whose q/k/v run as one compiled region (compiled=regions)
     per_linear_why: str = ""  # why fp8.compile=mlp / regions fell back to compiling each linear alone, where it did
+    delayed_mlps: int = 0  # fp8.recipe=delayed: gated MLPs whose casts take delayed scales (kernels/fp8_delayed_mlp.py)
+    dynamic_why: str = ""  # fp8.recipe=delayed: why FP8 MLPs left dynamic tensorwise scaling kept it, where some did
+    scales: Optional[DelayedScales] = None  # fp8.recipe=delayed: the scale state, rolled after each optimizer step
 
     def as_dict(self) -> dict:
         return {"recipe": self.recipe, "fp8_linears": dict(sorted(self.fp8.items())),
                 "bf16_linears": dict(sorted(self.bf16.items())), "compiled": self.compiled,
-                "whole_mlps": self.whole_mlps, "qkv_regions": self.qkv_regions}
+                "whole_mlps": self.whole_mlps, "qkv_regions": self.qkv_regions,
+                **({"delayed_mlps": self.delayed_mlps} if self.recipe == "delayed" else {})}
 
     def __str__(self) -> str:
         kept = "; ".join(f"{n} ({why})" for n, why in sorted(self.bf16.items())) or "none"
         return (f"precision=fp8, recipe {self.recipe}: {sum(self.fp8.values())} linears in FP8 "
                 f"({', '.join(f'{n} x{c}' for n, c in sorted(self.fp8.items()))}), "
-                f"{self._casts()}; decoder linears kept in bf16: {kept}; lm_head, "
+                f"{self._casts()}{self._delayed()}; decoder linears kept in bf16: {kept}; lm_head, "
                 f"attention and the MoE experts' grouped GEMMs stay bf16 (FP8 grouped GEMMs measured slower)")
 
+    def _delayed(self) -> str:
+        if self.recipe != "delayed":
+            return ""
+        rest = sum(self.fp8.values()) - 3 * self.delayed_mlps
+        return (f"; delayed scaling (amax history of {len(self.scales.history) if self.scales else 0} steps, the "
+                f"first step dynamic) on {self.delayed_mlps} gated MLPs" +
+                (f", tensorwise dynamic scaling on the other {rest} FP8 linears"
+                 f"{' (' + self.dynamic_why + ')' if self.dynamic_why else ''}" if rest else ""))
+
     def _casts(self) -> str:
+        if self.compiled == "delayed":
+            return "casts in the delayed MLPs' own kernels"
         if self.compiled == "false":
             return "casts eager"
         if self.whole_mlps or self.qkv_regions:
@@ -105,7 +123,7 @@ def resolve_compile(setting: str, recipe: str, device_type: str) -> str:
         return setting
     if device_type != "cuda":
         return "false"
-    return "regions" if recipe == "tensorwise" else "linear"
+    return "regions" if recipe in ("tensorwise", "delayed") else "linear"
 
 
 def _why_bf16(leaf: str, module: torch.nn.Linear, linears: str) -> str:
@@ -120,7 +138,8 @@ def _why_bf16(leaf: str, module: torch.nn.Linear, linears: str) -> str:
 
 
 def apply_fp8(hf_model: torch.nn.Module, recipe: str, linears: str, compile_casts: str,
-              partitioned: bool = False, compile_fn: Optional[Callable] = None) -> Fp8Report:
+              partitioned: bool = False, compile_fn: Optional[Callable] = None, amax_history: int = 16,
+              device: Optional[torch.device] = None) -> Fp8Report:
     """Swap the chosen decoder linears for Float8Linear; before the fused kernels bind (their projection groups take
     plain nn.Linear only, so FP8 linears keep their own forward) and before DeepSpeed wraps the model.
 
@@ -130,7 +149,9 @@ def apply_fp8(hf_model: torch.nn.Module, recipe: str, linears: str, compile_cast
     region too; `linear` each linear alone; `false` eager casts. `partitioned`: ZeRO-3 partitions the
     weights across ranks, and its gather hooks sit on each linear's __call__, which a whole-MLP region would trace
     into; there each linear is compiled alone (the hooks stay outside). `compile_fn`: torch.compile unless a test
-    hands another (the eager backend checks the regions on CPU)."""
+    hands another (the eager backend checks the regions on CPU). recipe `delayed`: each gated MLP of a known class
+    runs kernels/fp8_delayed_mlp.py's Function with scales from `amax_history` steps of amaxes (its state on `device`);
+    any other chosen linear runs tensorwise."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     report = Fp8Report(recipe=recipe)
     chosen = set()
@@ -150,8 +171,13 @@ def apply_fp8(hf_model: torch.nn.Module, recipe: str, linears: str, compile_cast
         fix = "set fp8.linears=all (attention's projections in FP8 too) or " if linears == "mlp" else "set "
         raise UnsupportedError(f"precision=fp8: no decoder linear can run in FP8 (kept in bf16: {report.bf16}; the "
                                f"MoE experts' grouped GEMMs stay bf16); {fix}precision=bf16")
-    convert_to_float8_training(decoder.layers, config=Float8LinearConfig.from_recipe_name(recipe),
-                               module_filter_fn=lambda module, fqn: fqn in chosen)
+    if recipe == "delayed":
+        _bind_delayed(decoder, chosen, report, partitioned, amax_history, device)
+        if not chosen:  # every FP8 linear is in a delayed MLP
+            report.compiled = "delayed"
+            return report
+    convert_to_float8_training(decoder.layers, config=Float8LinearConfig.from_recipe_name(
+        "tensorwise" if recipe == "delayed" else recipe), module_filter_fn=lambda module, fqn: fqn in chosen)
     if compile_casts == "false":
         if partitioned:
             # torchao's eager forward saves weight.t(), a view of ZeRO-3's gathered weight, which then outlives the
@@ -191,6 +217,42 @@ def apply_fp8(hf_model: torch.nn.Module, recipe: str, linears: str, compile_cast
         # q/k/v region, and ZeRO-3's partitions or an unknown MLP class leave each linear alone
         report.compiled = ("regions" if report.qkv_regions else "mlp" if report.whole_mlps else "linear")
     return report
+
+
+def _bind_delayed(decoder, chosen: set, report: Fp8Report, partitioned: bool, history: int,
+                  device: Optional[torch.device]) -> None:
+    """fp8.recipe=delayed: bind each gated MLP whose three projections are chosen, of a known class (HF's own forward),
+    with SiLU and no biases, to the delayed Function; their projections leave `chosen` (they stay nn.Linear, and the
+    Function reads their weights). Refused where none qualifies: the user asked for delayed scales."""
+    from .bind import _is_silu
+    if partitioned:
+        raise UnsupportedError("fp8.recipe=delayed runs each MLP as one function on its three weights, past the "
+                               "gather hooks ZeRO-3 puts on each linear's call: set deepspeed.zero_stage to 1 or 2, "
+                               "or fp8.recipe=tensorwise")
+    bound, why = [], set()
+    for name, module in decoder.layers.named_modules():
+        if not all(f"{name}.{p}" in chosen for p in MLP_NAMES):
+            continue
+        projections = [getattr(module, p) for p in MLP_NAMES]
+        if not is_known_gated_mlp(module):
+            why.add(f"{type(module).__name__} is not a known down(act(gate) * up) MLP")
+        elif not _is_silu(module.act_fn):
+            why.add(f"{type(module).__name__}'s activation is not SiLU")
+        elif any(p.bias is not None for p in projections):
+            why.add("projections with biases")
+        else:
+            bound.append(module)
+            chosen.difference_update(f"{name}.{p}" for p in MLP_NAMES)
+    if not bound:
+        raise UnsupportedError(f"fp8.recipe=delayed: no MLP can take delayed scales (it needs a known gated MLP with "
+                               f"SiLU, no biases and its three projections in FP8{'; ' + '; '.join(sorted(why)) if why else ''}"
+                               "): set fp8.recipe=tensorwise")
+    device = device or bound[0].gate_proj.weight.device
+    report.scales = DelayedScales(len(bound), history, device)
+    for row, mlp in enumerate(bound):
+        bind_delayed_mlp(mlp, report.scales, row)
+    report.delayed_mlps = len(bound)
+    report.dynamic_why = "; ".join(sorted(why))
 
 
 def _compile_whole_mlp(mlp: torch.nn.Module, compile_fn: Callable) -> None:

@@ -178,6 +178,10 @@ class SelectiveRecompute(MemoryPolicy):
             mlp = getattr(layer, "mlp", None)
             if mlp is None or not _looks_gated(mlp):
                 continue
+            if getattr(mlp.__dict__.get("forward"), "keeps_no_product", False):
+                # fp8.recipe=delayed's MLP (kernels/fp8_delayed_mlp.py) forms the product again in its backward
+                self.num_mlps += 1
+                continue
             bound = getattr(mlp.__dict__.get("forward"), "act_mul", None)  # the fused kernels' MLP (kernels/bind.py)
             if "forward" in mlp.__dict__ and bound is None:
                 # our MLP forward calls the projections directly and would bypass the patch silently

@@ -124,9 +124,11 @@ def _leaf_diffs(key: str, saved, now) -> list[str]:
 
 
 def save(engine, out_dir: Path, step: int, rank: int, fingerprint: dict | None = None, keep: int = 0,
-         layout: dict | None = None, config: dict | None = None) -> str:
+         layout: dict | None = None, config: dict | None = None, extra: dict | None = None) -> str:
     """`layout`: engine/checkpoints/reshard.py's optimizer_layout, which a resume on other ranks is checked against;
-    `config`: the run's resolved config (and plan), which an export of this checkpoint builds its model from."""
+    `config`: the run's resolved config (and plan), which an export of this checkpoint builds its model from;
+    `extra`: run state outside the module and optimizer, the same on every rank (fp8.recipe=delayed's amax history),
+    by name: rank 0 writes each to `<name>.pt`, outside the module's state dict, so no HF export carries it."""
     tag = tag_of(step)
     root = ckpt_root(out_dir)
     if rank == 0 and (root / tag).exists() and latest_tag(out_dir) != tag:
@@ -144,6 +146,8 @@ def save(engine, out_dir: Path, step: int, rank: int, fingerprint: dict | None =
         (root / tag / LAYOUT_FILE).write_text(json.dumps(layout, sort_keys=True))
     if rank == 0 and config is not None:
         (root / tag / CONFIG_FILE).write_text(json.dumps(config, indent=2))
+    for name, state in (extra or {}).items() if rank == 0 else ():
+        torch.save(state, root / tag / f"{name}.pt")
     dist.barrier()
     manifest.write(root / tag, rank)  # before `latest` moves: a checkpoint named there always has one
     if rank == 0:
@@ -277,6 +281,13 @@ def check_resume(out_dir: Path, tag: str, fingerprint: dict) -> None:
     saved = ckpt_root(out_dir) / tag / "resume_fingerprint.json"
     if saved.exists():
         check_resume_compatible(read_json(saved), json.loads(json.dumps(fingerprint)))
+
+
+def load_extra(out_dir: Path, tag: str, rank: int, name: str):
+    """What save's `extra` wrote under `name` in checkpoint `tag` (in checkpoints/, also where the model state is
+    read from a re-partitioned copy), or None where it holds none."""
+    path = ckpt_root(out_dir) / tag / f"{name}.pt"
+    return _read(path.parent, rank, path, torch.load, weights_only=False) if path.exists() else None
 
 
 def load(engine, out_dir: Path, tag: str, rank: int, load_root: Path | None = None) -> int:

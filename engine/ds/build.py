@@ -133,7 +133,8 @@ def build(cfg: TrainConfig, plan: Plan, topo: Topology, device: torch.device, lo
     fp8 = None
     if cfg.precision == "fp8":  # before the fused kernels: their projection groups take plain nn.Linear only
         compile_casts = resolve_compile(cfg.fp8.compile, cfg.fp8.recipe, device.type)
-        fp8 = apply_fp8(hf, cfg.fp8.recipe, cfg.fp8.linears, compile_casts, partitioned=stage == 3)
+        fp8 = apply_fp8(hf, cfg.fp8.recipe, cfg.fp8.linears, compile_casts, partitioned=stage == 3,
+                        amax_history=cfg.fp8.amax_history, device=device)
         log.info("%s", fp8)
     # before the memory policies: they wrap these forwards (a tiled MLP runs the fused product per tile)
     kernels = apply_fused_kernels(hf, cfg.model.kernels, device, loss_head=cfg.model.loss_head,

@@ -46,6 +46,7 @@ from .retrieval import log_retrieval
 from .step import train_step
 
 log = logging.getLogger(__name__)
+FP8_SCALES = "fp8_scales"  # the checkpoint's file of fp8.recipe=delayed's amax history
 
 
 def train(cfg: TrainConfig, plan: Plan, rt: Runtime) -> dict:
@@ -97,6 +98,8 @@ def train(cfg: TrainConfig, plan: Plan, rt: Runtime) -> dict:
     if rt.is_main:
         log_offload_estimate(cfg, plan, hf_config, log)
     engine, hf, scale = build(cfg, plan, topo, rt.device, load_universal=reshard)
+    fp8_scales = getattr(engine.fp8_report, "scales", None)  # fp8.recipe=delayed's scale state, rolled every step
+    fp8_warned = []  # the steps whose clamped operands were logged
     moe_aux_coef = cfg.moe.aux_loss_coef if is_moe(cfg) else None
     num_params = count_params(hf)
     peak_tflops = cfg.logging.peak_tflops or detect_peak_tflops(rt.device)
@@ -107,6 +110,8 @@ def train(cfg: TrainConfig, plan: Plan, rt: Runtime) -> dict:
         start = checkpoint.load(engine, out_dir, tag, rt.rank, load_root)
         if reshard:
             finish_reshard(engine, out_dir, rt.rank, tag)
+        if fp8_scales is not None:
+            _resume_fp8_scales(fp8_scales, checkpoint.load_extra(out_dir, tag, rt.rank, FP8_SCALES), tag, rt.is_main)
         if fell_back:  # `latest` names the checkpoint this run continues, not the damaged one it stepped over
             checkpoint.settle_fallback(out_dir, tag, rt.rank)
         if rt.is_main:
@@ -128,7 +133,8 @@ def train(cfg: TrainConfig, plan: Plan, rt: Runtime) -> dict:
         # it builds (the config), then prunes
         nonlocal holds
         checkpoint.save(engine, out_dir, at_step, rt.rank, fingerprint, keep=cfg.trainer.keep_checkpoints,
-                        layout=layout, config=run_config)
+                        layout=layout, config=run_config,
+                        extra={FP8_SCALES: fp8_scales.state_dict()} if fp8_scales is not None else None)
         holds = checkpoint.tag_of(at_step)
         preemption.saved()
 
@@ -171,6 +177,9 @@ def train(cfg: TrainConfig, plan: Plan, rt: Runtime) -> dict:
             if moe_aux_coef is not None:  # MoE: the balance loss, the load figure, and the bias step of balance=bias
                 record["moe_aux_loss"] = result.moe_aux_loss
                 record.update(moe_step_end(hf, cfg, apply_bias=not (skipped or fatal)))
+            if fp8_scales is not None:  # the amax history rolls once a step, after the optimizer's (collective)
+                record.update(fp8_scales.finish_step())
+                _warn_fp8_saturation(record, rt.is_main, fp8_warned)
             # one collective per step: a signal, a timed checkpoint, the wall-time limit (the last ends the run here)
             stop_now, save_due, out_of_time = preemption.agreed(rt.device, rt.is_main)
             last = step + 1 == cfg.trainer.max_steps or (out_of_time and not stop_now)
@@ -224,6 +233,28 @@ def train(cfg: TrainConfig, plan: Plan, rt: Runtime) -> dict:
         outputs["loss_plot"] = str(plot_loss(out_dir / "metrics.jsonl", out_dir / "loss.png"))
     dist.barrier()
     return outputs
+
+
+def _resume_fp8_scales(scales, state, tag: str, is_main: bool) -> None:
+    if state is not None:
+        scales.load_state_dict(state)
+    elif is_main:
+        log.warning("checkpoint %s holds no fp8.recipe=delayed amax history (written with another precision or "
+                    "recipe): the first step after the resume takes dynamic scales", tag)
+
+
+def _warn_fp8_saturation(record: dict, is_main: bool, warned: list) -> None:
+    """Transformer Engine clamps silently where an operand outgrows its delayed scale; here every step's row counts
+    such operands (fp8_saturated), and the log says so: the first such step, then at most once per 100 steps."""
+    if not (is_main and (record.get("fp8_saturated") or record["fp8_nonfinite_amax"])):
+        return
+    if warned and record["step"] < warned[-1] + 100:
+        return
+    warned.append(record["step"])
+    log.warning("step %d: fp8.recipe=delayed: %d operand(s) clamped at the float8 range (amax up to %.3gx what its "
+                "scale covered), %d non-finite amax(es) left out of the history; metrics.jsonl counts them every step "
+                "(fp8_saturated); a longer fp8.amax_history covers more of a growing range", record["step"],
+                record.get("fp8_saturated", 0), record.get("fp8_amax_over_scale", 0.0), record["fp8_nonfinite_amax"])
 
 
 def _sync(device: torch.device) -> None:

@@ -1,0 +1,89 @@
+"""Triton kernels of the delayed-scaling casts (kernels/fp8_casts.py holds the torch path they are checked against).
+
+Legend: an operand [M, N] row-major bf16; T tokens, I the MLP's intermediate size; a suffix 8 is float8, `t` the
+transposed copy made contiguous ([N, M]). scale and amax: pointers to one fp32 each (a slot of the MLP's [8]).
+
+    cast:        x [M, N]                  ->  x8 [M, N], x8t [N, M];          amax raised to max|x|
+    swiglu_fwd:  g, u [T, I]               ->  h8 [T, I], h = silu(g) * u;    amax raised to max|h|
+    swiglu_bwd:  dh, g, u [T, I]           ->  h8t [I, T] (h again, for down's weight gradient),
+                                               dg8, du8 [T, I] and dg8t, du8t [I, T] (e5m2);  amax raised for dg, du
+
+Each reads its operands once: the cast, the transposed copy and the amax come from one pass. That is what delayed
+scaling needs to pay: inductor ran every amax as a reduction kernel of its own, as slow as dynamic scaling's
+(docs/precision.md). The casts round as inductor's and torchao's do: fp32 product, clamp to the float8 range, one
+rounding.
+"""
+import triton
+import triton.language as tl
+from torch._inductor.runtime.triton_helpers import libdevice
+
+
+@triton.jit
+def _store_cast(v, scale, fmax, out_ptr, out_t_ptr, rm, rn, M, N, mask, ROWS: tl.constexpr, COLS: tl.constexpr):
+    y = tl.minimum(tl.maximum(v * scale, -fmax), fmax).to(out_ptr.dtype.element_ty)
+    if ROWS:
+        tl.store(out_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], y, mask=mask)
+    if COLS:  # transposed after the rounding: a quarter of the shared memory an fp32 tile would take
+        tl.store(out_t_ptr + rn[:, None].to(tl.int64) * M + rm[None, :], tl.trans(y), mask=tl.trans(mask))
+
+
+@triton.jit
+def _tile(M, N, BM: tl.constexpr, BN: tl.constexpr):
+    """This program's tile of an [M, N] row-major tensor: its rows, its columns, the in-bounds mask, the offsets."""
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    return rm, rn, (rm[:, None] < M) & (rn[None, :] < N), rm[:, None].to(tl.int64) * N + rn[None, :]
+
+
+@triton.jit
+def _amax(v, amax_ptr):
+    tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(v), axis=1), axis=0))
+
+
+# the tile, chosen per (M, N) on first use; re-running a kernel while tuning is harmless (its outputs are overwritten
+# and an atomic max of the same values is the same max)
+TILES = [triton.Config({"BM": bm, "BN": bn}, num_warps=w) for bm, bn, w in
+         ((64, 64, 4), (64, 64, 8), (128, 64, 4), (128, 64, 8), (64, 128, 4), (64, 128, 8), (128, 128, 8),
+          (32, 128, 4), (128, 32, 4), (256, 64, 8))]
+
+
+@triton.autotune(configs=TILES, key=["M", "N"])
+@triton.jit
+def cast(x_ptr, scale_ptr, amax_ptr, out_ptr, out_t_ptr, M, N, FMAX: tl.constexpr, BM: tl.constexpr,
+         BN: tl.constexpr):
+    rm, rn, mask, offs = _tile(M, N, BM, BN)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    _amax(x, amax_ptr)
+    _store_cast(x, tl.load(scale_ptr), FMAX, out_ptr, out_t_ptr, rm, rn, M, N, mask, True, True)
+
+
+@triton.autotune(configs=TILES, key=["M", "N"])
+@triton.jit
+def swiglu_fwd(g_ptr, u_ptr, scale_ptr, amax_ptr, h_ptr, M, N, BM: tl.constexpr, BN: tl.constexpr):
+    rm, rn, mask, offs = _tile(M, N, BM, BN)
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    h = g / (libdevice.exp(-g) + 1.0) * u
+    _amax(h, amax_ptr)
+    _store_cast(h, tl.load(scale_ptr), 448.0, h_ptr, h_ptr, rm, rn, M, N, mask, True, False)
+
+
+@triton.autotune(configs=TILES, key=["M", "N"])
+@triton.jit
+def swiglu_bwd(dh_ptr, g_ptr, u_ptr, h_scale_ptr, dg_scale_ptr, du_scale_ptr, dg_amax_ptr, du_amax_ptr, ht_ptr,
+               dg_ptr, dgt_ptr, du_ptr, dut_ptr, M, N, BM: tl.constexpr, BN: tl.constexpr):
+    rm, rn, mask, offs = _tile(M, N, BM, BN)
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    dh = tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    e = libdevice.exp(-g) + 1.0
+    silu = g / e
+    sig = 1.0 / e
+    d_up = dh * silu
+    d_gate = dh * u * sig * (g * (1.0 - sig) + 1.0)
+    _amax(d_gate, dg_amax_ptr)
+    _amax(d_up, du_amax_ptr)
+    # h = silu * u again, transposed, for down's weight gradient (recomputed rather than kept from the forward)
+    _store_cast(silu * u, tl.load(h_scale_ptr), 448.0, ht_ptr, ht_ptr, rm, rn, M, N, mask, False, True)
+    _store_cast(d_gate, tl.load(dg_scale_ptr), 57344.0, dg_ptr, dgt_ptr, rm, rn, M, N, mask, True, True)
+    _store_cast(d_up, tl.load(du_scale_ptr), 57344.0, du_ptr, dut_ptr, rm, rn, M, N, mask, True, True)

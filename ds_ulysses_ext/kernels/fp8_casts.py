@@ -1,0 +1,124 @@
+"""The casts of a delayed-scaling FP8 MLP (fp8.recipe=delayed): each operand cast to float8 with a scale it is handed,
+its transposed copy, and its amax raised, in one pass; the SwiGLU product formed and cast the same way.
+
+Legend: an operand [M, N] bf16; T tokens, H hidden, I intermediate; a suffix 8 is float8 (e4m3 for x, h and the
+weights, e5m2 for gradients), `t` the transposed copy made contiguous. scales, amax: fp32 [8], one slot per operand
+in the order of SLOTS; every op reads its slots' scales and raises its slots' amax (a max: running an op twice on the
+same input leaves the same amax).
+
+    cast(x [M, N], slot)            ->  x8 [M, N], x8t [N, M]
+    swiglu_fwd(g, u [T, I])         ->  h8 [T, I],  h = silu(g) * u in fp32
+    swiglu_bwd(dh, g, u [T, I])     ->  h8t [I, T], dg8 [T, I], dg8t [I, T], du8 [T, I], du8t [I, T]
+
+The torch path here is the reference: the CPU runs it, and on CUDA the Triton kernels (kernels/fp8_cast_kernels.py)
+replace it only after they agreed with it on first use (kernels/first_use.py). Both round as torchao's casts do:
+fp32 product, clamp to the float8 range, one rounding; SiLU as g / (1 + exp(-g)), as inductor forms it.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+
+from .first_use import agrees
+
+SLOTS = ("x", "h", "w_gate", "w_up", "w_down", "d_gate", "d_up", "dy")
+X, H, W_GATE, W_UP, W_DOWN, D_GATE, D_UP, DY = range(len(SLOTS))
+E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
+DTYPES = (E4,) * 5 + (E5,) * 3  # activations and weights e4m3; gradients e5m2 (range over precision)
+
+
+def _f8(v: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    from torchao.float8.float8_utils import to_fp8_saturated
+    return to_fp8_saturated(v * scale, dtype)
+
+
+def _raise(amax: torch.Tensor, slot: int, v: torch.Tensor) -> None:
+    amax[slot] = torch.maximum(amax[slot], v.abs().amax())
+
+
+def _grid(m: int, n: int):
+    from triton import cdiv
+    return lambda meta: (cdiv(m, meta["BM"]), cdiv(n, meta["BN"]))
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels():
+    from . import fp8_cast_kernels
+    return fp8_cast_kernels
+
+
+def cast(x: torch.Tensor, scales: torch.Tensor, amax: torch.Tensor, slot: int, kernel: bool):
+    dtype = DTYPES[slot]
+    m, n = x.shape
+    if kernel:
+        out = torch.empty((m, n), dtype=dtype, device=x.device)
+        out_t = torch.empty((n, m), dtype=dtype, device=x.device)
+        _kernels().cast[_grid(m, n)](x, scales[slot:], amax[slot:], out, out_t, m, n, FMAX=torch.finfo(dtype).max)
+        return out, out_t
+    xf = x.float()
+    _raise(amax, slot, xf)
+    y = _f8(xf, scales[slot], dtype)
+    return y, y.t().contiguous()
+
+
+def swiglu_fwd(g: torch.Tensor, u: torch.Tensor, scales: torch.Tensor, amax: torch.Tensor, kernel: bool):
+    m, n = g.shape
+    if kernel:
+        h8 = torch.empty((m, n), dtype=E4, device=g.device)
+        _kernels().swiglu_fwd[_grid(m, n)](g, u, scales[H:], amax[H:], h8, m, n)
+        return h8
+    gf = g.float()
+    h = gf / (torch.exp(-gf) + 1) * u.float()
+    _raise(amax, H, h)
+    return _f8(h, scales[H], E4)
+
+
+def swiglu_bwd(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, scales: torch.Tensor, amax: torch.Tensor,
+               kernel: bool):
+    m, n = g.shape
+    if kernel:
+        ht = torch.empty((n, m), dtype=E4, device=g.device)
+        dg, du = (torch.empty((m, n), dtype=E5, device=g.device) for _ in range(2))
+        dgt, dut = (torch.empty((n, m), dtype=E5, device=g.device) for _ in range(2))
+        _kernels().swiglu_bwd[_grid(m, n)](dh, g, u, scales[H:], scales[D_GATE:], scales[D_UP:], amax[D_GATE:],
+                                           amax[D_UP:], ht, dg, dgt, du, dut, m, n)
+        return ht, dg, dgt, du, dut
+    gf, uf, dhf = g.float(), u.float(), dh.float()
+    e = torch.exp(-gf) + 1
+    silu, sig = gf / e, 1 / e
+    d_up, d_gate = dhf * silu, dhf * uf * sig * (gf * (1 - sig) + 1)
+    _raise(amax, D_GATE, d_gate)
+    _raise(amax, D_UP, d_up)
+    dg, du = _f8(d_gate, scales[D_GATE], E5), _f8(d_up, scales[D_UP], E5)
+    return _f8(silu * uf, scales[H], E4).t().contiguous(), dg, dg.t().contiguous(), du, du.t().contiguous()
+
+
+@functools.lru_cache(maxsize=None)
+def kernels_ok(device: torch.device) -> bool:
+    """The three Triton kernels against the torch path, once per device, on shapes with partial tiles in both
+    directions. The casts must agree exactly (the same fp32 product, clamp and rounding) and so must every amax; the
+    SiLU outputs within a float8 step here and there (libdevice's exp against torch's can move a product across a
+    rounding boundary: 1e-2 norm-wise is about one element in a hundred a step apart)."""
+    if device.type != "cuda" or importlib.util.find_spec("triton") is None:
+        return False
+
+    def pairs():
+        gen = torch.Generator(device=device).manual_seed(0)
+        rand = lambda *s: (3 * torch.randn(*s, device=device, generator=gen)).to(torch.bfloat16)  # noqa: E731
+        m, n = 200, 136  # not multiples of any tile
+        x, g, u, dh = rand(m, n), rand(m, n), rand(m, n), rand(m, n)
+        scales = torch.rand(len(SLOTS), device=device, generator=gen) * 8 + 1
+        out = []
+        for kernel in (True, False):
+            amax = torch.zeros(len(SLOTS), device=device)
+            res = (*cast(x, scales, amax, X, kernel), *cast(dh, scales, amax, DY, kernel),
+                   swiglu_fwd(g, u, scales, amax, kernel), *swiglu_bwd(dh, g, u, scales, amax, kernel))
+            out.append((res, amax))
+        (got, got_amax), (ref, ref_amax) = out
+        names = ("x8", "x8t", "dy8", "dy8t", "h8", "h8t", "dg8", "dg8t", "du8", "du8t")
+        exact = {"x8", "x8t", "dy8", "dy8t"}
+        return ([(n, a, b, 0.0 if n in exact else 1e-2) for n, a, b in zip(names, got, ref)]
+                + [("amax", got_amax, ref_amax, 1e-5)])
+    return agrees("fp8.recipe=delayed: the Triton casts", device, torch.bfloat16, pairs)

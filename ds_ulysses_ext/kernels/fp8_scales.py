@@ -1,0 +1,78 @@
+"""The scales of fp8.recipe=delayed: each operand of each delayed MLP casts with a scale made from the amaxes of earlier
+steps (Transformer Engine's delayed scaling), not from a pass over the operand itself.
+
+Legend: n the delayed MLPs, S = len(SLOTS) = 8 operands each (kernels/fp8_casts.py), L = fp8.amax_history.
+
+    amax     [n, S]     this step's, raised (max) by every cast: forward, recomputed forward and backward alike, and
+                        over the micro-steps of one optimizer step
+    history  [L, n, S]  the last L steps' amaxes, newest first
+    scales   [n, S]     float8 max / max(history): what this step casts with
+    covered  [n, S]     max(history) at the last roll: the largest |value| a scale represents without clamping
+
+Why a step's state changes only in `finish_step` (after the optimizer step): a recomputed forward must cast as its
+first run did, and every micro-step of a step with the same scales; raising the amax with a max makes both
+idempotent. The first step has no history: it is dynamic (each op takes its operand's own amax first, as tensorwise
+does), and so is a resumed run whose checkpoint holds no history.
+
+Across ranks the amaxes are all-reduced (max) at the roll, so every rank casts with the same scales; dynamic tensorwise
+scaling gives each rank the amax of its own tokens.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .fp8_casts import DTYPES, SLOTS
+
+
+class DelayedScales:
+    def __init__(self, num_mlps: int, history: int, device: torch.device) -> None:
+        if history < 1:
+            raise ValueError(f"fp8.amax_history must be >= 1, got {history}")
+        self.amax = torch.zeros(num_mlps, len(SLOTS), device=device)
+        self.history = torch.zeros(history, num_mlps, len(SLOTS), device=device)
+        self.scales = torch.ones(num_mlps, len(SLOTS), device=device)
+        self.covered = torch.zeros(num_mlps, len(SLOTS), device=device)
+        self.dynamic = True  # no history yet: the next step takes each operand's own amax
+        self.scratch = torch.zeros(len(SLOTS), device=device)  # eval forwards raise this, which nothing reads
+        self._fmax = torch.tensor([torch.finfo(d).max for d in DTYPES], device=device, dtype=torch.float64)
+
+    def finish_step(self, group=None) -> dict:
+        """After each optimizer step, on every rank together (one all-reduce): roll the history, make the next step's
+        scales, and say which operands clamped this step. Returns metrics for the step's row."""
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(self.amax, op=dist.ReduceOp.MAX, group=group)
+        seen = torch.isfinite(self.amax)
+        # a non-finite amax (an overflowing step, skipped or not) would make a scale of 0 for L steps: left out
+        amax = torch.where(seen, self.amax, torch.zeros_like(self.amax))
+        record = {"fp8_nonfinite_amax": int((~seen).sum())}
+        if not self.dynamic:
+            record["fp8_saturated"] = int((amax > self.covered).sum())  # operands (of n x 8) clamped this step
+            # the largest amax against what its scale covered: above 1, by how much the worst operand clamped
+            record["fp8_amax_over_scale"] = float((amax / self.covered.clamp(min=1e-30)).max())
+        self.history = torch.roll(self.history, 1, dims=0)
+        self.history[0] = amax
+        self._rescale()
+        self.amax.zero_()
+        self.dynamic = False
+        return record
+
+    def _rescale(self) -> None:
+        # torchao's amax_to_scale for each slot's dtype: float8 max / amax in fp64, the amax clamped at 1e-12
+        self.covered = self.history.amax(0)
+        self.scales = (self._fmax / self.covered.double().clamp(min=1e-12)).float()
+
+    def state_dict(self) -> dict:
+        return {"slots": SLOTS, "history": self.history.cpu(), "dynamic": self.dynamic}
+
+    def load_state_dict(self, state: dict) -> None:
+        if tuple(state["slots"]) != SLOTS or state["history"].shape[1:] != self.history.shape[1:]:
+            raise RuntimeError(f"the checkpoint's fp8.recipe=delayed history is of {tuple(state['history'].shape)} "
+                               f"(slots {state['slots']}), this model's of {tuple(self.history.shape)}: resume with "
+                               "the model that wrote it")
+        saved = state["history"].to(self.history.device)
+        length = min(len(saved), len(self.history))  # fp8.amax_history changed: keep the newest that fit
+        self.history.zero_()
+        self.history[:length] = saved[:length]
+        self._rescale()
+        self.dynamic = bool(state["dynamic"])

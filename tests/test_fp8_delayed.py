@@ -1,0 +1,186 @@
+"""fp8.recipe=delayed (kernels/fp8_delayed_mlp.py, fp8_casts.py, fp8_scales.py) on CPU: the Function against a float8
+reference written here from the MLP's math, the scales' roll, and the state's life across steps and ranks.
+
+The reference quantises as torchao does (fp32 product with the scale, clamp to the float8 range, one rounding) and
+multiplies the dequantised float8 values in fp32; the Function multiplies the float8 tensors through
+torch._scaled_mm. Both round each GEMM's output to bf16 once."""
+import pytest
+import torch
+
+from ds_ulysses_ext.kernels.fp8_casts import SLOTS
+from ds_ulysses_ext.kernels.fp8_delayed_mlp import bind_delayed_mlp
+from ds_ulysses_ext.kernels.fp8_scales import DelayedScales
+from dist_harness import run_ranks
+
+pytest.importorskip("torchao.float8", reason="torchao is a test dependency ([test] extra)")
+
+E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
+T, HID, INTER = 96, 64, 128
+
+
+def _mlp(seed=0):
+    from transformers import AutoConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+    torch.manual_seed(seed)
+    cfg = AutoConfig.for_model("llama", hidden_size=HID, intermediate_size=INTER)
+    return LlamaMLP(cfg).to(torch.bfloat16)
+
+
+def _q(v, scale, dtype):
+    """v quantised with `scale` and dequantised: the float8 value it stands for, in fp32."""
+    fmax = torch.finfo(dtype).max
+    return (v.float() * scale).clamp(-fmax, fmax).to(dtype).float() / scale
+
+
+def _reference(mlp, x, dy, s):
+    """y and (dx, dW_gate, dW_up, dW_down) of an FP8 MLP with scales s (by SLOTS), from its definition."""
+    k = dict(zip(SLOTS, s.tolist()))
+    wg, wu, wd = (_q(w, k[n], E4) for w, n in ((mlp.gate_proj.weight, "w_gate"), (mlp.up_proj.weight, "w_up"),
+                                                (mlp.down_proj.weight, "w_down")))
+    xq = _q(x, k["x"], E4)
+    g, u = (xq @ wg.t()).bfloat16().float(), (xq @ wu.t()).bfloat16().float()
+    sig = torch.sigmoid(g)
+    hq = _q(g * sig * u, k["h"], E4)
+    y = (hq @ wd.t()).bfloat16()
+    dyq = _q(dy, k["dy"], E5)
+    dh = (dyq @ wd).bfloat16().float()
+    dg = _q(dh * u * sig * (1 + g * (1 - sig)), k["d_gate"], E5)
+    du = _q(dh * g * sig, k["d_up"], E5)
+    dx = (dg @ wg).bfloat16() + (du @ wu).bfloat16()
+    return y, (dx, (dg.t() @ xq).bfloat16(), (du.t() @ xq).bfloat16(), (dyq.t() @ hq).bfloat16())
+
+
+def _run(mlp, x, dy):
+    x = x.clone().requires_grad_()
+    y = mlp(x)
+    y.backward(dy)
+    grads = (x.grad,) + tuple(p.weight.grad for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+    for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+        p.weight.grad = None
+    return y.detach(), grads
+
+
+def _rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def _inputs(seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(T, HID, generator=gen).bfloat16(), (0.01 * torch.randn(T, HID, generator=gen)).bfloat16())
+
+
+def test_delayed_mlp_matches_a_float8_reference():
+    # fixed scales below every operand's range (no clamping) and one that clamps x: the Function's outputs and four
+    # gradients against the reference's. Differences are the GEMMs' fp32 summation order, which can move a bf16 g or
+    # u across a rounding boundary and then its float8 h: measured 6e-5 at most, bound 1e-3. Swapping two gradients'
+    # scales, or a weight, gives 3e-2 or more
+    mlp = _mlp()
+    x, dy = _inputs()
+    state = DelayedScales(1, 4, torch.device("cpu"))
+    state.dynamic = False
+    state.scales[0] = torch.tensor([60.0, 100.0, 2000.0, 2500.0, 3000.0, 5e5, 6e5, 2e5])
+    for clamp_x in (False, True):
+        if clamp_x:
+            state.scales[0, 0] = 448 / (0.5 * float(x.float().abs().max()))  # half of x's range saturates
+        with torch.no_grad():
+            want_y, want_grads = _reference(mlp, x.float(), dy.float(), state.scales[0])
+        bind_delayed_mlp(mlp, state, 0)
+        y, grads = _run(mlp, x, dy)
+        del mlp.forward
+        assert _rel(y, want_y) < 1e-3, (clamp_x, _rel(y, want_y))
+        for name, got, want in zip(("dx", "dW_gate", "dW_up", "dW_down"), grads, want_grads):
+            assert _rel(got, want) < 1e-3, (clamp_x, name, _rel(got, want))
+
+
+def test_first_step_is_dynamic_then_the_history_gives_the_same_scales():
+    # step 1 has no history: each op takes its operand's own amax first (as tensorwise does). Step 2's scales come
+    # from step 1's amaxes; on the same input they are the same scales, so the same numbers, bit for bit. A probe
+    # that set no scale (or a wrong one) would differ
+    mlp = _mlp()
+    x, dy = _inputs()
+    state = DelayedScales(1, 4, torch.device("cpu"))
+    bind_delayed_mlp(mlp, state, 0)
+    first = _run(mlp, x, dy)
+    amax = state.amax.clone()
+    assert bool((amax > 0).all()), amax  # every operand's amax was raised, the backward's too
+    assert float(amax[0, 0]) == float(x.float().abs().max())
+    assert state.finish_step() == {"fp8_nonfinite_amax": 0}  # no saturation count on a dynamic step
+    assert not state.dynamic and torch.equal(state.history[0], amax)
+    second = _run(mlp, x, dy)
+    for a, b in zip((first[0],) + first[1], (second[0],) + second[1]):
+        assert torch.equal(a, b)
+    assert torch.equal(state.amax, amax)
+    assert state.finish_step() == {"fp8_nonfinite_amax": 0, "fp8_saturated": 0, "fp8_amax_over_scale": 1.0}
+
+
+def test_amax_is_a_max_over_recomputes_and_micro_steps():
+    # a recomputed forward raises the same amax again; two micro-steps leave the larger of their amaxes
+    mlp = _mlp()
+    x, dy = _inputs()
+    state = DelayedScales(1, 4, torch.device("cpu"))
+    bind_delayed_mlp(mlp, state, 0)
+    _run(mlp, x, dy)
+    once = state.amax.clone()
+    with torch.no_grad():
+        mlp(x)  # the recompute's forward
+    assert torch.equal(state.amax, once)
+    state.amax.zero_()
+    _run(mlp, 2 * x, dy)
+    twice = state.amax.clone()
+    _run(mlp, x, dy)
+    assert torch.equal(state.amax, torch.maximum(once, twice))
+    assert float(twice[0, 0]) == 2 * float(once[0, 0])
+    mlp.eval()  # an eval forward leaves the step's amax alone
+    with torch.no_grad():
+        mlp(4 * x)
+    assert torch.equal(state.amax, torch.maximum(once, twice))
+
+
+def test_the_roll_keeps_the_last_steps_and_counts_what_clamped():
+    state = DelayedScales(2, history=2, device=torch.device("cpu"))
+    e4, e5 = torch.finfo(E4).max, torch.finfo(E5).max
+
+    def step(value, where=(0, 0)):
+        state.amax[where] = value
+        return state.finish_step()
+    assert step(2.0) == {"fp8_nonfinite_amax": 0}
+    assert float(state.scales[0, 0]) == pytest.approx(e4 / 2.0)
+    assert float(state.scales[0, 5]) == pytest.approx(e5 / 1e-12)  # never seen: torchao's clamp of the amax
+    assert step(1.0) == {"fp8_nonfinite_amax": 0, "fp8_saturated": 0, "fp8_amax_over_scale": 0.5}
+    assert float(state.scales[0, 0]) == pytest.approx(e4 / 2.0)  # the history's max: 2 is one of the last two
+    step(0.5)
+    assert float(state.scales[0, 0]) == pytest.approx(e4 / 1.0)  # 2 has left the history
+    assert step(3.0) == {"fp8_nonfinite_amax": 0, "fp8_saturated": 1, "fp8_amax_over_scale": 3.0}  # covered 1: clamped
+    assert step(float("nan")) == {"fp8_nonfinite_amax": 1, "fp8_saturated": 0, "fp8_amax_over_scale": 0.0}
+    assert float(state.scales[0, 0]) == pytest.approx(e4 / 3.0)  # the NaN left out, not a scale of 0 or NaN
+    step(5.0, where=(1, 7))
+    assert float(state.scales[1, 7]) == pytest.approx(e5 / 5.0)  # each MLP and operand its own
+    assert not bool(state.amax.any())  # zeroed for the next step
+
+
+def _reduce_scales(rank, world, out):
+    state = DelayedScales(1, 4, torch.device("cpu"))
+    state.amax[0, 0] = 1.0 + rank  # each rank's tokens: a different amax
+    state.amax[0, 7] = 10.0 - rank
+    state.finish_step()
+    torch.save(state.scales.clone(), f"{out}.{rank}")
+
+
+def test_every_rank_takes_the_same_scales(tmp_path):
+    # the amaxes are all-reduced (max) at the roll: every rank casts with the scales of the largest amax
+    run_ranks(_reduce_scales, 2, str(tmp_path / "scales"))
+    s0, s1 = (torch.load(tmp_path / f"scales.{r}") for r in range(2))
+    assert torch.equal(s0, s1)
+    assert float(s0[0, 0]) == pytest.approx(torch.finfo(E4).max / 2.0)
+    assert float(s0[0, 7]) == pytest.approx(torch.finfo(E5).max / 10.0)
+
+
+def test_the_state_round_trips_and_refuses_another_model():
+    state = DelayedScales(2, 4, torch.device("cpu"))
+    state.amax.fill_(3.0)
+    state.finish_step()
+    again = DelayedScales(2, 4, torch.device("cpu"))
+    again.load_state_dict(state.state_dict())
+    assert not again.dynamic and torch.equal(again.scales, state.scales) and torch.equal(again.history, state.history)
+    with pytest.raises(RuntimeError, match="resume with the model that wrote it"):
+        DelayedScales(3, 4, torch.device("cpu")).load_state_dict(state.state_dict())
