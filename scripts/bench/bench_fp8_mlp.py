@@ -22,8 +22,8 @@ Why: precision=fp8's speed rests on how the amax / scale / cast kernels around e
   the next step's scale): forward amaxes written into buffers, backward ones returned as a sink's gradient. What
   inductor makes of that decides whether delayed scaling can pay: where it fuses each amax into its cast kernel
   this variant runs as fast as the static one, where not as slow as `fp8_mlp` (torchtitan's PR 698 found the latter).
-- `fp8_mlp_fused`: a prototype (fp8_fused_mlp.py): the static scales, and our own Triton casts that take each amax
-  in the same pass as the cast and its transposed copy (no torch.compile); what delayed scaling could run at.
+- `fp8_mlp_fused`: fp8.recipe=delayed's MLP (ds_ulysses_ext/kernels/fp8_delayed_mlp.py) with the static scales: our
+  Triton casts, each taking its amax in the same pass as the cast and its transposed copy (no torch.compile).
 Each JSON line: variant, recipe, tokens, median ms of forward + backward (input and weight gradients), peak memory of
 the timed steps, the ratio to `bf16`, the forward output's relative distance from bf16's, and whether the
 `fp8_mlp_*` variants' output and gradients equal `fp8_mlp`'s bit for bit (the cast-once ones should; the
@@ -142,16 +142,21 @@ def variant(base: torch.nn.Module, name: str, recipe: str, x: torch.Tensor, g: t
         return m
     if name == "bf16_compiled":
         return torch.compile(m)
+    if name == "fp8_mlp_fused":  # the MLP's own nn.Linear weights, read by the delayed Function
+        from ds_ulysses_ext.kernels.fp8_delayed_mlp import bind_delayed_mlp
+        from ds_ulysses_ext.kernels.fp8_scales import DelayedScales
+        m.scales = static_scales(base, x, g)  # in the Function's slot order (kernels/fp8_casts.py SLOTS)
+        state = DelayedScales(1, 1, x.device)
+        state.dynamic = False
+        state.scales[0] = torch.stack([v.float().reshape(()) for v in m.scales.values()])
+        bind_delayed_mlp(m, state, 0)
+        m.amax_record = dict(zip(m.scales, state.amax[0].unbind()))
+        return m
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     convert_to_float8_training(m, config=Float8LinearConfig.from_recipe_name(recipe))
     if name == "fp8_per_linear":
         for lin in (m.gate_proj, m.up_proj, m.down_proj):
             lin.forward = torch.compile(lin.forward)
-    elif name == "fp8_mlp_fused":
-        from fp8_fused_mlp import NAMES, fused_mlp_forward
-        m.scales, amax = static_scales(base, x, g), torch.zeros(len(NAMES), device=x.device)
-        m.forward = functools.partial(fused_mlp_forward, m, m.scales, amax)
-        m.amax_record = dict(zip(NAMES, amax.unbind()))
     elif name in ("fp8_mlp_static", "fp8_mlp_delayed"):
         record = delayed_record(x.device) if name == "fp8_mlp_delayed" else None
         m.scales = static_scales(base, x, g)

@@ -119,9 +119,11 @@
 #                $ANCHOR_SHAPE e.g. "--shape llama8b --layers 8" to match llama3_1_8b_shape with
 #                model.arch.num_hidden_layers=8 in $EXTRA) at $FP8_POINTS (default 16384:none,32768:none; ours zero0,
 #                bf16 master weights, Liger's kernels, no clipping, the step in backward, $EXTRA), ours bf16 then
-#                fp8 with each of $FP8_LINEARS (default "mlp all"), $FP8_RECIPE (default tensorwise) and $FP8_COMPILE
-#                (default auto; e.g. regions: q/k/v as one region under fp8.linears=all), then the anchor
-#                without checkpointing at the same lengths; $OUT/fp8_short.jsonl
+#                fp8 with each of $FP8_RECIPES (default $FP8_RECIPE, default tensorwise; e.g. "tensorwise delayed")
+#                and each of $FP8_LINEARS (default "mlp all"), and $FP8_COMPILE (default auto; e.g. regions: q/k/v as
+#                one region under fp8.linears=all), then the anchor without checkpointing at the same lengths
+#                (--fp8 $FP8_ANCHOR_RECIPE, default $FP8_RECIPE or tensorwise: the anchor has no delayed recipe);
+#                $OUT/fp8_short.jsonl
 #   fp8_equal    precision=fp8 at the FP8 anchor's checkpointed memory: ours (zero0, bf16 master weights, Liger, no clipping,
 #                the step in backward, memory.offload_activations=true) in bf16 and in fp8 ($FP8_RECIPE, default tensorwise)
 #                at $FP8_EQ_POINTS (default 16k and 32k, except_attention_offload; $MODEL, $EXTRA as for fp8_short), then
@@ -142,8 +144,9 @@
 #   fp8_delayed  whether delayed scaling could pay under inductor: one MLP compiled whole on the 8B layer and 1B shapes
 #                at 16k, tensorwise: fp8_mlp (dynamic scaling), fp8_mlp_static (no amax at all) and fp8_mlp_delayed
 #                (fixed scales, every operand's amax still taken, as delayed scaling must) and fp8_mlp_fused (the same
-#                with our own Triton casts, each amax taken in its cast's pass: scripts/bench/fp8_fused_mlp.py), each
-#                with its 16 largest kernels; $OUT/fp8_delayed.jsonl. About 3 min
+#                with our own Triton casts, each amax taken in its cast's pass: fp8.recipe=delayed's MLP), each
+#                with its 16 largest kernels; $OUT/fp8_delayed.jsonl; $FP8_VARIANTS, $FP8_MODELS: fewer. About 3 min
+#   gpu_fp8      fp8.recipe=delayed's GPU test (tests/test_gpu_fp8_delayed.py: its Triton casts against its torch path)
 #   fp8_track    FP8's accuracy against bf16: $FP8_TRACK_STEPS (default 500) steps of the Llama-3.2-1B shape on the shipped
 #                corpus (data=demo, $FP8_TRACK_SEQ tokens a row, default 4096, lr $FP8_TRACK_LR, default 1e-4) in bf16,
 #                in fp8 ($FP8_TRACK_ARGS more overrides, e.g. fp8.linears=all) and a rounding-only control (bf16, loss
@@ -336,7 +339,7 @@ for name, a in zip(('liger', 'control'), runs):
                prev=$name
              done ;;
     gpu_tests) { python3 -m pytest -q -rs -p no:cacheprovider tests/test_gpu_exactness.py tests/test_gpu_paths.py tests/test_gpu_loss_head.py \
-                   tests/test_gpu_moe_kernels.py tests/test_gpu_projections.py tests/test_gpu_offload.py
+                   tests/test_gpu_moe_kernels.py tests/test_gpu_projections.py tests/test_gpu_offload.py tests/test_gpu_fp8_delayed.py
                  python3 -m pytest -q -rs -p no:cacheprovider tests/test_moe_gpt_oss.py -k grouped
                  python3 -m pytest -q -rs -p no:cacheprovider tests/test_zero0.py -k "triton or cuda or in_backward and not follows"; } 2>&1 \
                  | tee "$OUT/gpu_tests.txt" | tail -30 ;;
@@ -344,16 +347,17 @@ for name, a in zip(('liger', 'control'), runs):
                C="deepspeed.master_weights=bf16 model.kernels=liger trainer.grad_clip=0 trainer.optimizer_in_backward=true"
                python3 scripts/bench/bench_train.py --model $M --points $pts --steps 5 --no-phase-times --deepspeed zero0 \
                  $C ${EXTRA:-} | grep RESULT | cut -c1-1200 | tee -a "$OUT/fp8_short.jsonl"
-               for l in ${FP8_LINEARS:-mlp all}; do
+               for r in ${FP8_RECIPES:-${FP8_RECIPE:-tensorwise}}; do for l in ${FP8_LINEARS:-mlp all}; do
                  python3 scripts/bench/bench_train.py --model $M --points $pts --steps 5 --no-phase-times --deepspeed zero0 \
-                   --precision fp8 $C fp8.linears=$l fp8.recipe=${FP8_RECIPE:-tensorwise} fp8.compile=${FP8_COMPILE:-auto} \
+                   --precision fp8 $C fp8.linears=$l fp8.recipe=$r fp8.compile=${FP8_COMPILE:-auto} \
                    ${EXTRA:-} | grep RESULT | cut -c1-1200 \
                    | tee -a "$OUT/fp8_short.jsonl"
-               done
+               done; done
                for p in ${pts//,/ }; do  # FP8_ANCHORS=0: ours only (e.g. at a recompute preset, beside --no-ckpt's rows)
                  [ "${FP8_ANCHORS:-1}" = 0 ] && break
-                 python3 .bench/anchor-bench/model_bench.py --seq ${p%%:*} --variant hf --liger --fp8 ${FP8_RECIPE:-tensorwise} \
-                   --no-ckpt --warmup 1 --reps 3 ${ANCHOR_SHAPE:-} 2>&1 | grep -E "RESULT|Error" | tail -2 | tee -a "$OUT/fp8_short.jsonl"
+                 python3 .bench/anchor-bench/model_bench.py --seq ${p%%:*} --variant hf --liger \
+                   --fp8 ${FP8_ANCHOR_RECIPE:-${FP8_RECIPE:-tensorwise}} --no-ckpt --warmup 1 --reps 3 ${ANCHOR_SHAPE:-} 2>&1 \
+                   | grep -E "RESULT|Error" | tail -2 | tee -a "$OUT/fp8_short.jsonl"
                done ;;
     fp8_equal) pts=${FP8_EQ_POINTS:-16384:except_attention_offload,32768:except_attention_offload}; M=${MODEL:-llama3_2_1b}
                C="deepspeed.master_weights=bf16 model.kernels=liger trainer.grad_clip=0 trainer.optimizer_in_backward=true"
@@ -372,11 +376,13 @@ for name, a in zip(('liger', 'control'), runs):
                   --recipes tensorwise --variants bf16,fp8_mlp,fp8_mlp_static --tokens 16384 2>&1 | grep -E '^\{|Error' \
                   | sed "s/^{/{\"coordinate_descent_tuning\": $t, /" | tee -a "$OUT/fp8_tune.jsonl"
               done; done ;;
-    fp8_delayed) for m in llama3_1_8b_shape llama3_2_1b; do
+    fp8_delayed) for m in ${FP8_MODELS:-llama3_1_8b_shape llama3_2_1b}; do
                    python3 scripts/bench/bench_fp8_mlp.py --model $m --recipes tensorwise --tokens 16384 --profile 16 \
-                     --variants bf16,fp8_mlp,fp8_mlp_static,fp8_mlp_delayed,fp8_mlp_fused 2>&1 | grep -E '^\{|Error' \
-                     | tee -a "$OUT/fp8_delayed.jsonl"
+                     --variants ${FP8_VARIANTS:-bf16,fp8_mlp,fp8_mlp_static,fp8_mlp_delayed,fp8_mlp_fused} 2>&1 \
+                     | grep -E '^\{|Error' | tee -a "$OUT/fp8_delayed.jsonl"
                  done ;;
+    gpu_fp8) python3 -m pytest -q -rs -p no:cacheprovider tests/test_gpu_fp8_delayed.py 2>&1 | tee "$OUT/gpu_fp8.txt" \
+               | tail -15 ;;
     fp8_tiling) n=0; for c in "" ${TILING_CONFIGS:-triton.prefer_nd_tiling=True}; do
                   n=$((n + 1)); TORCHINDUCTOR_CACHE_DIR=/tmp/fp8_tiling_$n python3 scripts/bench/bench_fp8_mlp.py \
                     --model llama3_1_8b_shape --recipes tensorwise --variants bf16,fp8_mlp --tokens 16384 --profile 14 \
