@@ -77,11 +77,11 @@ def test_delayed_mlp_matches_a_float8_reference():
     mlp = _mlp()
     x, dy = _inputs()
     state = DelayedScales(1, 4, torch.device("cpu"))
-    state.dynamic = False
-    state.scales[0] = torch.tensor([60.0, 100.0, 2000.0, 2500.0, 3000.0, 5e5, 6e5, 2e5])
+    fixed = torch.tensor([60.0, 100.0, 2000.0, 2500.0, 3000.0, 5e5, 6e5, 2e5])
     for clamp_x in (False, True):
         if clamp_x:
-            state.scales[0, 0] = 448 / (0.5 * float(x.float().abs().max()))  # half of x's range saturates
+            fixed[0] = 448 / (0.5 * float(x.float().abs().max()))  # half of x's range saturates
+        state.set_scales(0, fixed)
         with torch.no_grad():
             want_y, want_grads = _reference(mlp, x.float(), dy.float(), state.scales[0])
         bind_delayed_mlp(mlp, state, 0)
@@ -92,7 +92,7 @@ def test_delayed_mlp_matches_a_float8_reference():
             assert _rel(got, want) < 1e-3, (clamp_x, name, _rel(got, want))
 
 
-def test_first_step_is_dynamic_then_the_history_gives_the_same_scales():
+def test_first_step_takes_its_own_amaxes_then_the_history_gives_the_same_scales():
     # step 1 has no history: each op takes its operand's own amax first (as tensorwise does). Step 2's scales come
     # from step 1's amaxes; on the same input they are the same scales, so the same numbers, bit for bit. A probe
     # that set no scale (or a wrong one) would differ
@@ -104,13 +104,15 @@ def test_first_step_is_dynamic_then_the_history_gives_the_same_scales():
     amax = state.amax.clone()
     assert bool((amax > 0).all()), amax  # every operand's amax was raised, the backward's too
     assert float(amax[0, 0]) == float(x.float().abs().max())
-    assert state.finish_step() == {"fp8_nonfinite_amax": 0}  # no saturation count on a dynamic step
-    assert not state.dynamic and torch.equal(state.history[0], amax)
+    assert state.finish_step() == {"fp8_saturated": 0, "fp8_amax_over_scale": 0.0, "fp8_dynamic": 8,
+                                   "fp8_nonfinite_amax": 0}  # every slot took its own amax: none clamped
+    assert not state.unseen.any() and torch.equal(state.history[0], amax)
     second = _run(mlp, x, dy)
     for a, b in zip((first[0],) + first[1], (second[0],) + second[1]):
         assert torch.equal(a, b)
     assert torch.equal(state.amax, amax)
-    assert state.finish_step() == {"fp8_nonfinite_amax": 0, "fp8_saturated": 0, "fp8_amax_over_scale": 1.0}
+    assert state.finish_step() == {"fp8_saturated": 0, "fp8_amax_over_scale": 1.0, "fp8_dynamic": 0,
+                                   "fp8_nonfinite_amax": 0}
 
 
 def test_amax_is_a_max_over_recomputes_and_micro_steps():
@@ -143,15 +145,18 @@ def test_the_roll_keeps_the_last_steps_and_counts_what_clamped():
     def step(value, where=(0, 0)):
         state.amax[where] = value
         return state.finish_step()
-    assert step(2.0) == {"fp8_nonfinite_amax": 0}
+    rec = lambda saturated, over, own, nonfinite=0: {  # noqa: E731
+        "fp8_saturated": saturated, "fp8_amax_over_scale": over, "fp8_dynamic": own, "fp8_nonfinite_amax": nonfinite}
+    assert step(2.0) == rec(0, 0.0, 16)  # step 1: every slot its own amax
     assert float(state.scales[0, 0]) == pytest.approx(e4 / 2.0)
-    assert float(state.scales[0, 5]) == pytest.approx(e5 / 1e-12)  # never seen: torchao's clamp of the amax
-    assert step(1.0) == {"fp8_nonfinite_amax": 0, "fp8_saturated": 0, "fp8_amax_over_scale": 0.5}
+    # a slot never seen (history all zero) takes its own amax again, not float8 max / 1e-12 (which would flush it)
+    assert bool(state.unseen[0, 5]) and not bool(state.unseen[0, 0])
+    assert step(1.0) == rec(0, 0.5, 15)
     assert float(state.scales[0, 0]) == pytest.approx(e4 / 2.0)  # the history's max: 2 is one of the last two
     step(0.5)
     assert float(state.scales[0, 0]) == pytest.approx(e4 / 1.0)  # 2 has left the history
-    assert step(3.0) == {"fp8_nonfinite_amax": 0, "fp8_saturated": 1, "fp8_amax_over_scale": 3.0}  # covered 1: clamped
-    assert step(float("nan")) == {"fp8_nonfinite_amax": 1, "fp8_saturated": 0, "fp8_amax_over_scale": 0.0}
+    assert step(3.0) == rec(1, 3.0, 15)  # covered 1: clamped, and by how much
+    assert step(float("nan")) == rec(0, 0.0, 15, nonfinite=1)
     assert float(state.scales[0, 0]) == pytest.approx(e4 / 3.0)  # the NaN left out, not a scale of 0 or NaN
     step(5.0, where=(1, 7))
     assert float(state.scales[1, 7]) == pytest.approx(e5 / 5.0)  # each MLP and operand its own
@@ -181,6 +186,7 @@ def test_the_state_round_trips_and_refuses_another_model():
     state.finish_step()
     again = DelayedScales(2, 4, torch.device("cpu"))
     again.load_state_dict(state.state_dict())
-    assert not again.dynamic and torch.equal(again.scales, state.scales) and torch.equal(again.history, state.history)
+    assert torch.equal(again.scales, state.scales) and torch.equal(again.history, state.history)
+    assert torch.equal(again.unseen, state.unseen) and not again.unseen.any()
     with pytest.raises(RuntimeError, match="resume with the model that wrote it"):
         DelayedScales(3, 4, torch.device("cpu")).load_state_dict(state.state_dict())

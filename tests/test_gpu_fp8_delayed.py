@@ -15,8 +15,8 @@ from test_gpu_paths import _rel
 pytestmark = test_gpu_paths.pytestmark  # the same SM90 skip
 
 
-@pytest.mark.parametrize("dynamic", [True, False])
-def test_delayed_mlp_kernels_against_its_torch_path(dynamic):
+@pytest.mark.parametrize("own_amax", [True, False])
+def test_delayed_mlp_kernels_against_its_torch_path(own_amax):
     from ds_ulysses_ext.kernels.fp8_casts import kernels_ok
     from ds_ulysses_ext.kernels.fp8_delayed_mlp import DelayedFp8Mlp
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -32,7 +32,7 @@ def test_delayed_mlp_kernels_against_its_torch_path(dynamic):
     for kernel in (True, False):
         xs, wg = x.clone().requires_grad_(), [w.clone().requires_grad_() for w in ws]
         amax = torch.zeros(8, device=dev)
-        y = DelayedFp8Mlp.apply(xs, *wg, scales, amax, dynamic, kernel)
+        y = DelayedFp8Mlp.apply(xs, *wg, scales, amax, (own_amax,) * 8, kernel)
         y.backward(dy)
         out.append(([y, xs.grad] + [w.grad for w in wg], amax))
     (got, got_amax), (ref, ref_amax) = out

@@ -78,8 +78,8 @@ class Fp8Report:
         if self.recipe != "delayed":
             return ""
         rest = sum(self.fp8.values()) - 3 * self.delayed_mlps
-        return (f"; delayed scaling (amax history of {len(self.scales.history) if self.scales else 0} steps, the "
-                f"first step dynamic) on {self.delayed_mlps} gated MLPs" +
+        return (f"; delayed scaling (amax history of {len(self.scales.history) if self.scales else 0} steps, "
+                f"the first step's scales from its own amaxes) on {self.delayed_mlps} gated MLPs" +
                 (f", tensorwise dynamic scaling on the other {rest} FP8 linears"
                  f"{' (' + self.dynamic_why + ')' if self.dynamic_why else ''}" if rest else ""))
 

@@ -36,24 +36,26 @@ def _mm(a8, b8, inv_a, inv_b, fast: bool) -> torch.Tensor:
     return torch._scaled_mm(a8, b8, scale_a=inv_a, scale_b=inv_b, out_dtype=torch.bfloat16, use_fast_accum=fast)
 
 
-def _step(op, scales: torch.Tensor, amax: torch.Tensor, dynamic: bool, slots: tuple):
-    """Run op(scales, amax); in a dynamic step, first once into a probe for its slots' amax, from which their scales
-    are made (torchao's amax_to_scale), as tensorwise would: the probe's outputs are written again by the real run."""
-    if dynamic:
+def _step(op, scales: torch.Tensor, amax: torch.Tensor, unseen: tuple, slots: tuple):
+    """Run op(scales, amax). Where a slot has no history (`unseen`: step 1), first run op once into a probe for its
+    amax, from which its scale is made (torchao's amax_to_scale), as tensorwise would; the real run then writes the
+    outputs again."""
+    own = [s for s in slots if unseen[s]]
+    if own:
         from torchao.float8.float8_utils import amax_to_scale
         probe = torch.zeros_like(amax)
         op(scales, probe)
-        for s in slots:
+        for s in own:
             scales[s] = amax_to_scale(probe[s], DTYPES[s])
     return op(scales, amax)
 
 
 class DelayedFp8Mlp(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w_gate, w_up, w_down, scales, amax, dynamic: bool, kernel: bool):
-        if dynamic:
+    def forward(ctx, x, w_gate, w_up, w_down, scales, amax, unseen: tuple, kernel: bool):
+        if any(unseen):
             scales = scales.clone()  # filled op by op; the backward fills its own slots
-        step = lambda op, *slots: _step(op, scales, amax, dynamic, slots)  # noqa: E731
+        step = lambda op, *slots: _step(op, scales, amax, unseen, slots)  # noqa: E731
         x8, x8t = step(lambda s, a: cast(x, s, a, X, kernel), X)
         wg8, wg8t = step(lambda s, a: cast(w_gate, s, a, W_GATE, kernel), W_GATE)
         wu8, wu8t = step(lambda s, a: cast(w_up, s, a, W_UP, kernel), W_UP)
@@ -62,24 +64,24 @@ class DelayedFp8Mlp(torch.autograd.Function):
         g = _mm(x8, wg8.t(), inv[X], inv[W_GATE], True)
         u = _mm(x8, wu8.t(), inv[X], inv[W_UP], True)
         h8 = step(lambda s, a: swiglu_fwd(g, u, s, a, kernel), H)
-        inv[H] = scales[H].reciprocal()  # a dynamic step's is new
+        inv[H] = scales[H].reciprocal()  # made by the probe where h had no history
         ctx.save_for_backward(x8t, g, u, wg8t, wu8t, wd8t)
         # kept out of autograd's saved tensors: the backward raises amax, and scales may be filled (their version
         # counters would object)
-        ctx.scales, ctx.amax, ctx.dynamic, ctx.kernel = scales, amax, dynamic, kernel
+        ctx.scales, ctx.amax, ctx.unseen, ctx.kernel = scales, amax, unseen, kernel
         return _mm(h8, wd8.t(), inv[H], inv[W_DOWN], True)
 
     @staticmethod
     def backward(ctx, dy):
         x8t, g, u, wg8t, wu8t, wd8t = ctx.saved_tensors
-        scales, amax, dynamic, kernel = ctx.scales, ctx.amax, ctx.dynamic, ctx.kernel
-        step = lambda op, *slots: _step(op, scales, amax, dynamic, slots)  # noqa: E731
+        scales, amax, unseen, kernel = ctx.scales, ctx.amax, ctx.unseen, ctx.kernel
+        step = lambda op, *slots: _step(op, scales, amax, unseen, slots)  # noqa: E731
         dy = dy.contiguous()
         dy8, dy8t = step(lambda s, a: cast(dy, s, a, DY, kernel), DY)
         inv = _reciprocals(scales)
         dh = _mm(dy8, wd8t.t(), inv[DY], inv[W_DOWN], False)
         ht, dg, dgt, du, dut = step(lambda s, a: swiglu_bwd(dh, g, u, s, a, kernel), D_GATE, D_UP)
-        inv[D_GATE], inv[D_UP] = scales[D_GATE].reciprocal(), scales[D_UP].reciprocal()  # a dynamic step's are new
+        inv[D_GATE], inv[D_UP] = scales[D_GATE].reciprocal(), scales[D_UP].reciprocal()  # as h's above
         dx = _mm(dg, wg8t.t(), inv[D_GATE], inv[W_GATE], False) + _mm(du, wu8t.t(), inv[D_UP], inv[W_UP], False)
         return (dx, _mm(dgt, x8t.t(), inv[D_GATE], inv[X], False), _mm(dut, x8t.t(), inv[D_UP], inv[X], False),
                 _mm(dy8t, ht.t(), inv[DY], inv[H], False), None, None, None, None)
@@ -95,7 +97,7 @@ def bind_delayed_mlp(mlp: torch.nn.Module, state: DelayedScales, row: int) -> No
         flat = x.reshape(-1, shape[-1]).contiguous()
         amax = state.amax[row] if mlp.training else state.scratch
         kernel = flat.is_cuda and kernels_ok(flat.device)
-        y = DelayedFp8Mlp.apply(flat, *weights, state.scales[row], amax, state.dynamic, kernel)
+        y = DelayedFp8Mlp.apply(flat, *weights, state.scales[row], amax, tuple(state.unseen[row].tolist()), kernel)
         return y.reshape(*shape[:-1], y.shape[-1])
     # memory/recompute.py's selective policy leaves this MLP as it is: it keeps no product of the size of h
     forward.keeps_no_product = True

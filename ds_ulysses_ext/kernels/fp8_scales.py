@@ -8,11 +8,12 @@ Legend: n the delayed MLPs, S = len(SLOTS) = 8 operands each (kernels/fp8_casts.
     history  [L, n, S]  the last L steps' amaxes, newest first
     scales   [n, S]     float8 max / max(history): what this step casts with
     covered  [n, S]     max(history) at the last roll: the largest |value| a scale represents without clamping
+    unseen   [n, S]     host bools: covered == 0, the slots that take their own amax this step
 
 Why a step's state changes only in `finish_step` (after the optimizer step): a recomputed forward must cast as its
 first run did, and every micro-step of a step with the same scales; raising the amax with a max makes both
-idempotent. The first step has no history: it is dynamic (each op takes its operand's own amax first, as tensorwise
-does), and so is a resumed run whose checkpoint holds no history.
+idempotent. The first step has no history: each op takes its operand's own amax first, as tensorwise does (so does any
+slot whose history is all zero, and a resumed run whose checkpoint holds no history).
 
 Across ranks the amaxes are all-reduced (max) at the roll, so every rank casts with the same scales; dynamic tensorwise
 scaling gives each rank the amax of its own tokens.
@@ -31,39 +32,47 @@ class DelayedScales:
             raise ValueError(f"fp8.amax_history must be >= 1, got {history}")
         self.amax = torch.zeros(num_mlps, len(SLOTS), device=device)
         self.history = torch.zeros(history, num_mlps, len(SLOTS), device=device)
-        self.scales = torch.ones(num_mlps, len(SLOTS), device=device)
-        self.covered = torch.zeros(num_mlps, len(SLOTS), device=device)
-        self.dynamic = True  # no history yet: the next step takes each operand's own amax
         self.scratch = torch.zeros(len(SLOTS), device=device)  # eval forwards raise this, which nothing reads
         self._fmax = torch.tensor([torch.finfo(d).max for d in DTYPES], device=device, dtype=torch.float64)
+        self._rescale()
 
     def finish_step(self, group=None) -> dict:
         """After each optimizer step, on every rank together (one all-reduce): roll the history, make the next step's
         scales, and say which operands clamped this step. Returns metrics for the step's row."""
         if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
             dist.all_reduce(self.amax, op=dist.ReduceOp.MAX, group=group)
-        seen = torch.isfinite(self.amax)
+        finite = torch.isfinite(self.amax)
         # a non-finite amax (an overflowing step, skipped or not) would make a scale of 0 for L steps: left out
-        amax = torch.where(seen, self.amax, torch.zeros_like(self.amax))
-        record = {"fp8_nonfinite_amax": int((~seen).sum())}
-        if not self.dynamic:
-            record["fp8_saturated"] = int((amax > self.covered).sum())  # operands (of n x 8) clamped this step
-            # the largest amax against what its scale covered: above 1, by how much the worst operand clamped
-            record["fp8_amax_over_scale"] = float((amax / self.covered.clamp(min=1e-30)).max())
+        amax = torch.where(finite, self.amax, torch.zeros_like(self.amax))
+        held = ~self.unseen.to(amax.device)  # slots that cast with a scale from the history, not their own amax
+        over = torch.where(held, amax / self.covered.clamp(min=1e-30), torch.zeros_like(amax))
+        record = {"fp8_saturated": int((over > 1).sum()),  # operand slots (8 an MLP) whose values clamped this step
+                  # the largest amax against what its scale covered: above 1, by how much the worst operand clamped
+                  "fp8_amax_over_scale": float(over.max()),
+                  "fp8_dynamic": int(self.unseen.sum()),  # slots that took their own amax (no history: step 1)
+                  "fp8_nonfinite_amax": int((~finite).sum())}
         self.history = torch.roll(self.history, 1, dims=0)
         self.history[0] = amax
         self._rescale()
         self.amax.zero_()
-        self.dynamic = False
         return record
 
     def _rescale(self) -> None:
-        # torchao's amax_to_scale for each slot's dtype: float8 max / amax in fp64, the amax clamped at 1e-12
+        # torchao's amax_to_scale for each slot's dtype: float8 max / amax in fp64, the amax clamped at 1e-12. A slot
+        # whose history is all zero (step 1, or an operand that was zero throughout) has no scale to trust: it takes
+        # its own amax, as tensorwise does, rather than a scale of float8 max / 1e-12 that would flush it to zero
         self.covered = self.history.amax(0)
         self.scales = (self._fmax / self.covered.double().clamp(min=1e-12)).float()
+        self.unseen = (self.covered == 0).cpu()  # read on the host by each forward: one copy a step
+
+    def set_scales(self, row: int, scales: torch.Tensor) -> None:
+        """Fixed scales for one MLP, as if its history had made them (tests and scripts/bench/bench_fp8_mlp.py)."""
+        self.scales[row] = scales.to(self.scales)
+        self.covered[row] = (self._fmax / self.scales[row].double()).float()
+        self.unseen[row] = False
 
     def state_dict(self) -> dict:
-        return {"slots": SLOTS, "history": self.history.cpu(), "dynamic": self.dynamic}
+        return {"slots": SLOTS, "history": self.history.cpu()}
 
     def load_state_dict(self, state: dict) -> None:
         if tuple(state["slots"]) != SLOTS or state["history"].shape[1:] != self.history.shape[1:]:
@@ -75,4 +84,3 @@ class DelayedScales:
         self.history.zero_()
         self.history[:length] = saved[:length]
         self._rescale()
-        self.dynamic = bool(state["dynamic"])

@@ -147,8 +147,7 @@ def variant(base: torch.nn.Module, name: str, recipe: str, x: torch.Tensor, g: t
         from ds_ulysses_ext.kernels.fp8_scales import DelayedScales
         m.scales = static_scales(base, x, g)  # in the Function's slot order (kernels/fp8_casts.py SLOTS)
         state = DelayedScales(1, 1, x.device)
-        state.dynamic = False
-        state.scales[0] = torch.stack([v.float().reshape(()) for v in m.scales.values()])
+        state.set_scales(0, torch.stack([v.float().reshape(()) for v in m.scales.values()]))
         bind_delayed_mlp(m, state, 0)
         m.amax_record = dict(zip(m.scales, state.amax[0].unbind()))
         return m
