@@ -366,22 +366,31 @@ def test_fp8_on_a_hybrid_within_fp8s_distance_from_bf16(tmp_path):
         assert _rel(f2["loss"], f1["loss"]) <= 5 * d1, (f1["step"], f1["loss"], f2["loss"], d1)
 
 
-# --- fp8.recipe=delayed (kernels/fp8_delayed_mlp.py; its Function and scales: tests/test_fp8_delayed.py) -------------
+# --- fp8.recipe=delayed (kernels/fp8_delayed.py; its Function and scales: tests/test_fp8_delayed.py) -------------
 
-DELAYED = FP8 + ["fp8.recipe=delayed", "deepspeed=zero2"]  # ZeRO-3 on several ranks is refused (below)
+# every decoder linear: the MLPs, the q/k/v groups and o_proj all take delayed scales. ZeRO-3 on several ranks is
+# refused (below)
+DELAYED = FP8 + ALL + ["fp8.recipe=delayed", "deepspeed=zero2"]
 
 
-def test_delayed_binds_the_gated_mlps_and_leaves_the_rest_to_tensorwise():
+def test_delayed_binds_mlps_and_attention_and_leaves_the_rest_to_tensorwise():
     from torchao.float8.float8_linear import Float8Linear
     model = _tiny()
     report = apply_fp8(model, "delayed", "all", compile_casts="false")
-    assert report.delayed_mlps == 2 and report.scales.amax.shape == (2, 8)
+    assert (report.delayed_mlps, report.delayed_qkv, report.delayed_o) == (2, 2, 2)
+    assert report.scales.kinds == ("linears3", "linears1", "mlp") * 2 and report.scales.amax.shape == (6, 8)
     mlp = model.model.layers[0].mlp
     assert getattr(mlp.forward, "keeps_no_product", False) and type(mlp.gate_proj) is torch.nn.Linear
-    assert {n.rsplit(".", 1)[-1] for n in _fp8_names(model)} == {"q_proj", "k_proj", "v_proj", "o_proj"}
-    assert isinstance(model.model.layers[1].self_attn.o_proj, Float8Linear)
-    assert report.fp8["gate_proj"] == 2 and "delayed scaling" in str(report)
-    assert "tensorwise dynamic scaling on the other 8 FP8 linears" in str(report)
+    assert _fp8_names(model) == [] and report.compiled == "delayed"
+    assert report.fp8["gate_proj"] == 2 and report.fp8["q_proj"] == 2 and "2 q/k/v groups and 2 o_proj" in str(report)
+    with pytest.raises(UnsupportedError, match="called apart from its group"):  # never silently bf16
+        model.model.layers[0].self_attn.k_proj(torch.zeros(1, 4, 64, dtype=torch.bfloat16))
+    # q/k/v with biases (Qwen2's) stay tensorwise; the MLPs still take delayed scales
+    model = _tiny("qwen2")
+    report = apply_fp8(model, "delayed", "all", compile_casts="false")
+    assert (report.delayed_mlps, report.delayed_qkv, report.delayed_o) == (2, 0, 2)
+    assert {n.rsplit(".", 1)[-1] for n in _fp8_names(model)} == {"q_proj", "k_proj", "v_proj"}
+    assert "tensorwise dynamic scaling on the other 6 FP8 linears (q/k/v with biases)" in str(report)
     # an MLP the Function does not compute (another activation) keeps torchao's tensorwise, and the report says why
     model = _tiny(hidden_act="gelu")
     with pytest.raises(UnsupportedError, match=r"no MLP can take delayed scales .*activation is not SiLU"):
@@ -408,8 +417,10 @@ def delayed_runs(tmp_path_factory):
 def test_delayed_trains_within_fp8s_distance_and_logs_its_scales(delayed_runs):
     _, runs = delayed_runs
     rows = runs["delayed"]
-    assert rows[0]["fp8"]["recipe"] == "delayed" and rows[0]["fp8"]["delayed_mlps"] == 4
-    assert rows[0]["fp8_dynamic"] == 32 and rows[0]["fp8_saturated"] == 0  # step 1: every slot its own amax
+    report = rows[0]["fp8"]
+    assert report["recipe"] == "delayed" and (report["delayed_mlps"], report["delayed_qkv"], report["delayed_o"]) == (4, 4, 4)
+    # step 1: every slot its own amax (an MLP's 8, q/k/v's 7, o_proj's 3, in 4 layers)
+    assert rows[0]["fp8_dynamic"] == 4 * (8 + 7 + 3) and rows[0]["fp8_saturated"] == 0
     assert all(r["fp8_dynamic"] == 0 and r["fp8_nonfinite_amax"] == 0 for r in rows[1:])
     assert all(r["fp8_amax_over_scale"] > 0.5 for r in rows[1:])  # the scales follow the amaxes
     d = [_rel(f["loss"], b["loss"]) for f, b in zip(rows, runs["bf16"])]
@@ -430,7 +441,8 @@ def test_delayed_resumes_with_its_history(delayed_runs, tmp_path):
         assert got["loss"] == ref["loss"] and got["grad_norm"] == ref["grad_norm"], (got, ref)
 
 
-@pytest.mark.parametrize("preset", ["full_recompute", "selective", "except_attention_offload", "tiled"])
+@pytest.mark.parametrize("preset", ["full_recompute", "selective", "except_attention", "except_attention_offload",
+                                    "tiled"])
 def test_delayed_under_recompute_equals_delayed_without(delayed_runs, tmp_path, preset):
     # a recomputed forward casts with the step's scales and raises the same amaxes: memory=none's trajectory exactly
     _, runs = delayed_runs

@@ -18,7 +18,7 @@ pytestmark = test_gpu_paths.pytestmark  # the same SM90 skip
 @pytest.mark.parametrize("own_amax", [True, False])
 def test_delayed_mlp_kernels_against_its_torch_path(own_amax):
     from ds_ulysses_ext.kernels.fp8_casts import kernels_ok
-    from ds_ulysses_ext.kernels.fp8_delayed_mlp import DelayedFp8Mlp
+    from ds_ulysses_ext.kernels.fp8_delayed import DelayedFp8Mlp
     dev = torch.device("cuda", torch.cuda.current_device())
     assert kernels_ok(dev)
     gen = torch.Generator(device=dev).manual_seed(0)

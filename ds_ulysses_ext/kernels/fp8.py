@@ -35,7 +35,7 @@ import torch
 
 from ..errors import UnsupportedError
 from ..memory.recompute import is_known_gated_mlp
-from .fp8_delayed_mlp import bind_delayed_mlp
+from .fp8_delayed import bind_delayed_mlp, delayed_linears
 from .fp8_scales import DelayedScales
 
 log = logging.getLogger(__name__)
@@ -53,11 +53,13 @@ class Fp8Report:
     fp8: Counter = field(default_factory=Counter)  # leaf name -> how many run in FP8
     bf16: dict = field(default_factory=dict)  # leaf name -> why it stays bf16
     compiled: str = "false"  # the casts' compiled regions as they formed: regions, mlp, linear, false, or delayed
-    # (every FP8 linear in a delayed MLP: kernels/fp8_casts.py's kernels, nothing compiled)
+    # (every FP8 linear in a delayed site: kernels/fp8_casts.py's kernels, nothing compiled)
     whole_mlps: int = 0  # gated MLPs compiled as one region (compiled=mlp); their linears' own forwards compiled too
     qkv_regions: int = 0  # attention modules whose q/k/v run as one compiled region (compiled=regions)
     per_linear_why: str = ""  # why fp8.compile=mlp / regions fell back to compiling each linear alone, where it did
-    delayed_mlps: int = 0  # fp8.recipe=delayed: gated MLPs whose casts take delayed scales (kernels/fp8_delayed_mlp.py)
+    delayed_mlps: int = 0  # fp8.recipe=delayed: gated MLPs whose casts take delayed scales (kernels/fp8_delayed.py)
+    delayed_qkv: int = 0  # fp8.recipe=delayed: attention q/k/v groups with delayed scales (fp8.linears=all)
+    delayed_o: int = 0  # fp8.recipe=delayed: o_proj linears with delayed scales (fp8.linears=all)
     dynamic_why: str = ""  # fp8.recipe=delayed: why FP8 MLPs left dynamic tensorwise scaling kept it, where some did
     scales: Optional[DelayedScales] = None  # fp8.recipe=delayed: the scale state, rolled after each optimizer step
 
@@ -65,7 +67,8 @@ class Fp8Report:
         return {"recipe": self.recipe, "fp8_linears": dict(sorted(self.fp8.items())),
                 "bf16_linears": dict(sorted(self.bf16.items())), "compiled": self.compiled,
                 "whole_mlps": self.whole_mlps, "qkv_regions": self.qkv_regions,
-                **({"delayed_mlps": self.delayed_mlps} if self.recipe == "delayed" else {})}
+                **({"delayed_mlps": self.delayed_mlps, "delayed_qkv": self.delayed_qkv, "delayed_o": self.delayed_o}
+                   if self.recipe == "delayed" else {})}
 
     def __str__(self) -> str:
         kept = "; ".join(f"{n} ({why})" for n, why in sorted(self.bf16.items())) or "none"
@@ -77,15 +80,17 @@ class Fp8Report:
     def _delayed(self) -> str:
         if self.recipe != "delayed":
             return ""
-        rest = sum(self.fp8.values()) - 3 * self.delayed_mlps
+        rest = sum(self.fp8.values()) - 3 * self.delayed_mlps - 3 * self.delayed_qkv - self.delayed_o
+        attn = (f", {self.delayed_qkv} q/k/v groups and {self.delayed_o} o_proj" if self.delayed_qkv or self.delayed_o
+                else "")
         return (f"; delayed scaling (amax history of {len(self.scales.history) if self.scales else 0} steps, "
-                f"the first step's scales from its own amaxes) on {self.delayed_mlps} gated MLPs" +
+                f"the first step's scales from its own amaxes) on {self.delayed_mlps} gated MLPs{attn}" +
                 (f", tensorwise dynamic scaling on the other {rest} FP8 linears"
                  f"{' (' + self.dynamic_why + ')' if self.dynamic_why else ''}" if rest else ""))
 
     def _casts(self) -> str:
         if self.compiled == "delayed":
-            return "casts in the delayed MLPs' own kernels"
+            return "casts in the delayed sites' own kernels"
         if self.compiled == "false":
             return "casts eager"
         if self.whole_mlps or self.qkv_regions:
@@ -149,9 +154,9 @@ def apply_fp8(hf_model: torch.nn.Module, recipe: str, linears: str, compile_cast
     region too; `linear` each linear alone; `false` eager casts. `partitioned`: ZeRO-3 partitions the
     weights across ranks, and its gather hooks sit on each linear's __call__, which a whole-MLP region would trace
     into; there each linear is compiled alone (the hooks stay outside). `compile_fn`: torch.compile unless a test
-    hands another (the eager backend checks the regions on CPU). recipe `delayed`: each gated MLP of a known class
-    runs kernels/fp8_delayed_mlp.py's Function with scales from `amax_history` steps of amaxes (its state on `device`);
-    any other chosen linear runs tensorwise."""
+    hands another (the eager backend checks the regions on CPU). recipe `delayed`: the gated MLPs, q/k/v groups and
+    o_proj that kernels/fp8_delayed.py computes run there, with scales from `amax_history` steps of amaxes (the state
+    on `device`); any other chosen linear runs tensorwise (_bind_delayed)."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     report = Fp8Report(recipe=recipe)
     chosen = set()
@@ -173,7 +178,7 @@ def apply_fp8(hf_model: torch.nn.Module, recipe: str, linears: str, compile_cast
                                f"MoE experts' grouped GEMMs stay bf16); {fix}precision=bf16")
     if recipe == "delayed":
         _bind_delayed(decoder, chosen, report, partitioned, amax_history, device)
-        if not chosen:  # every FP8 linear is in a delayed MLP
+        if not chosen:  # every FP8 linear is in a delayed site
             report.compiled = "delayed"
             return report
     convert_to_float8_training(decoder.layers, config=Float8LinearConfig.from_recipe_name(
@@ -221,37 +226,56 @@ def apply_fp8(hf_model: torch.nn.Module, recipe: str, linears: str, compile_cast
 
 def _bind_delayed(decoder, chosen: set, report: Fp8Report, partitioned: bool, history: int,
                   device: Optional[torch.device]) -> None:
-    """fp8.recipe=delayed: bind each gated MLP whose three projections are chosen, of a known class (HF's own forward),
-    with SiLU and no biases, to the delayed Function; their projections leave `chosen` (they stay nn.Linear, and the
-    Function reads their weights). Refused where none qualifies: the user asked for delayed scales."""
+    """fp8.recipe=delayed: bind each site the delayed Functions compute (kernels/fp8_delayed.py), and take its linears
+    out of `chosen` (they stay nn.Linear, read by the Function): each gated MLP whose three projections are chosen, of
+    a known class (HF's own forward), with SiLU and no biases; each attention's q/k/v where all three are chosen and
+    have no bias (one group: one cast of x); each chosen o_proj without a bias. Refused where no MLP qualifies: the
+    user asked for delayed scales, and the MLPs are most of what they buy."""
     from .bind import _is_silu
+    from .projections import ProjectionGroup
     if partitioned:
         raise UnsupportedError("fp8.recipe=delayed runs each MLP as one function on its three weights, past the "
                                "gather hooks ZeRO-3 puts on each linear's call: set deepspeed.zero_stage to 1 or 2, "
                                "or fp8.recipe=tensorwise")
-    bound, why = [], set()
+    sites, why = [], set()  # (kind, module, linear names)
     for name, module in decoder.layers.named_modules():
-        if not all(f"{name}.{p}" in chosen for p in MLP_NAMES):
-            continue
-        projections = [getattr(module, p) for p in MLP_NAMES]
-        if not is_known_gated_mlp(module):
-            why.add(f"{type(module).__name__} is not a known down(act(gate) * up) MLP")
-        elif not _is_silu(module.act_fn):
-            why.add(f"{type(module).__name__}'s activation is not SiLU")
-        elif any(p.bias is not None for p in projections):
-            why.add("projections with biases")
-        else:
-            bound.append(module)
-            chosen.difference_update(f"{name}.{p}" for p in MLP_NAMES)
-    if not bound:
+        names = [f"{name}.{p}" for p in MLP_NAMES]
+        if all(n in chosen for n in names):
+            if not is_known_gated_mlp(module):
+                why.add(f"{type(module).__name__} is not a known down(act(gate) * up) MLP")
+            elif not _is_silu(module.act_fn):
+                why.add(f"{type(module).__name__}'s activation is not SiLU")
+            elif any(getattr(module, p).bias is not None for p in MLP_NAMES):
+                why.add("MLP projections with biases")
+            else:
+                sites.append(("mlp", module, names))
+        names = [f"{name}.{p}" for p in QKV_NAMES]
+        if all(n in chosen for n in names):
+            if any(getattr(module, p).bias is not None for p in QKV_NAMES):
+                why.add("q/k/v with biases")
+            else:
+                sites.append(("linears3", module, names))
+        if name.rsplit(".", 1)[-1] == "o_proj" and name in chosen and module.bias is None:
+            sites.append(("linears1", module, [name]))
+    if not any(kind == "mlp" for kind, _, _ in sites):
         raise UnsupportedError(f"fp8.recipe=delayed: no MLP can take delayed scales (it needs a known gated MLP with "
                                f"SiLU, no biases and its three projections in FP8{'; ' + '; '.join(sorted(why)) if why else ''}"
                                "): set fp8.recipe=tensorwise")
-    device = device or bound[0].gate_proj.weight.device
-    report.scales = DelayedScales(len(bound), history, device)
-    for row, mlp in enumerate(bound):
-        bind_delayed_mlp(mlp, report.scales, row)
-    report.delayed_mlps = len(bound)
+    device = device or next(sites[0][1].parameters()).device
+    report.scales = state = DelayedScales([kind for kind, _, _ in sites], history, device)
+    for row, (kind, module, names) in enumerate(sites):
+        chosen.difference_update(names)
+        if kind == "mlp":
+            bind_delayed_mlp(module, state, row)
+            report.delayed_mlps += 1
+        elif kind == "linears3":
+            members = [getattr(module, p) for p in QKV_NAMES]
+            ProjectionGroup(members, node=delayed_linears(module, members, state, row)).bind()
+            report.delayed_qkv += 1
+        else:
+            node = delayed_linears(module, [module], state, row)
+            module.forward = lambda x, node=node: node(x)[0]
+            report.delayed_o += 1
     report.dynamic_why = "; ".join(sorted(why))
 
 

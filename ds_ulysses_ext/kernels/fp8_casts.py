@@ -3,10 +3,10 @@ its transposed copy, and its amax raised, in one pass; the SwiGLU product formed
 
 Legend: an operand [M, N] bf16; T tokens, H hidden, I intermediate; a suffix 8 is float8 (e4m3 for x, h and the
 weights, e5m2 for gradients), `t` the transposed copy made contiguous. scales, amax: fp32 [8], one slot per operand
-in the order of SLOTS; every op reads its slots' scales and raises its slots' amax (a max: running an op twice on the
-same input leaves the same amax).
+in the order of SLOTS[kind]; every op reads its slots' scales and raises its slots' amax (a max: running an op twice
+on the same input leaves the same amax).
 
-    cast(x [M, N], slot)            ->  x8 [M, N], x8t [N, M]
+    cast(x [M, N], slot, dtype)     ->  x8 [M, N], x8t [N, M]
     swiglu_fwd(g, u [T, I])         ->  h8 [T, I],  h = silu(g) * u in fp32
     swiglu_bwd(dh, g, u [T, I])     ->  h8t [I, T], dg8 [T, I], dg8t [I, T], du8 [T, I], du8t [I, T]
 
@@ -23,10 +23,17 @@ import torch
 
 from .first_use import agrees
 
-SLOTS = ("x", "h", "w_gate", "w_up", "w_down", "d_gate", "d_up", "dy")
-X, H, W_GATE, W_UP, W_DOWN, D_GATE, D_UP, DY = range(len(SLOTS))
+# the row of slots a delayed site owns (kernels/fp8_scales.py), by kind: a gated MLP ("mlp"), or n <= 3 linears
+# reading one input ("linears<n>": q/k/v, o_proj alone); None: a slot the kind does not use. Activations and weights
+# cast to e4m3, gradients to e5m2 (range over precision)
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
-DTYPES = (E4,) * 5 + (E5,) * 3  # activations and weights e4m3; gradients e5m2 (range over precision)
+WIDTH = 8
+X, H, W_GATE, W_UP, W_DOWN, D_GATE, D_UP, DY = range(WIDTH)  # the MLP's slots
+W0, DY0 = 1, 4  # the linears': weight i at W0 + i, its output's gradient at DY0 + i
+SLOTS = {"mlp": ("x", "h", "w_gate", "w_up", "w_down", "d_gate", "d_up", "dy"),
+         **{f"linears{n}": tuple(("x", *(f"w{i}" if i < n else None for i in range(3)),
+                                  *(f"dy{i}" if i < n else None for i in range(3)), None)) for n in (1, 2, 3)}}
+DTYPES = {"mlp": (E4,) * 5 + (E5,) * 3, **{k: (E4,) * 4 + (E5,) * 3 + (E4,) for k in SLOTS if k != "mlp"}}
 
 
 def _f8(v: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -49,8 +56,7 @@ def _kernels():
     return fp8_cast_kernels
 
 
-def cast(x: torch.Tensor, scales: torch.Tensor, amax: torch.Tensor, slot: int, kernel: bool):
-    dtype = DTYPES[slot]
+def cast(x: torch.Tensor, scales: torch.Tensor, amax: torch.Tensor, slot: int, dtype: torch.dtype, kernel: bool):
     m, n = x.shape
     if kernel:
         out = torch.empty((m, n), dtype=dtype, device=x.device)
@@ -109,11 +115,11 @@ def kernels_ok(device: torch.device) -> bool:
         rand = lambda *s: (3 * torch.randn(*s, device=device, generator=gen)).to(torch.bfloat16)  # noqa: E731
         m, n = 200, 136  # not multiples of any tile
         x, g, u, dh = rand(m, n), rand(m, n), rand(m, n), rand(m, n)
-        scales = torch.rand(len(SLOTS), device=device, generator=gen) * 8 + 1
+        scales = torch.rand(WIDTH, device=device, generator=gen) * 8 + 1
         out = []
         for kernel in (True, False):
-            amax = torch.zeros(len(SLOTS), device=device)
-            res = (*cast(x, scales, amax, X, kernel), *cast(dh, scales, amax, DY, kernel),
+            amax = torch.zeros(WIDTH, device=device)
+            res = (*cast(x, scales, amax, X, E4, kernel), *cast(dh, scales, amax, DY, E5, kernel),
                    swiglu_fwd(g, u, scales, amax, kernel), *swiglu_bwd(dh, g, u, scales, amax, kernel))
             out.append((res, amax))
         (got, got_amax), (ref, ref_amax) = out

@@ -1,14 +1,15 @@
 """The scales of fp8.recipe=delayed: each operand of each delayed MLP casts with a scale made from the amaxes of earlier
 steps (Transformer Engine's delayed scaling), not from a pass over the operand itself.
 
-Legend: n the delayed MLPs, S = len(SLOTS) = 8 operands each (kernels/fp8_casts.py), L = fp8.amax_history.
+Legend: n the delayed sites (a gated MLP, or linears reading one input: q/k/v, o_proj), each a row of S = 8 operand
+slots of its kind (kernels/fp8_casts.py SLOTS), L = fp8.amax_history.
 
     amax     [n, S]     this step's, raised (max) by every cast: forward, recomputed forward and backward alike, and
                         over the micro-steps of one optimizer step
     history  [L, n, S]  the last L steps' amaxes, newest first
     scales   [n, S]     float8 max / max(history): what this step casts with
     covered  [n, S]     max(history) at the last roll: the largest |value| a scale represents without clamping
-    unseen   [n, S]     host bools: covered == 0, the slots that take their own amax this step
+    unseen   [n, S]     host bools: covered == 0 in a slot the row's kind uses: those take their own amax this step
 
 Why a step's state changes only in `finish_step` (after the optimizer step): a recomputed forward must cast as its
 first run did, and every micro-step of a step with the same scales; raising the amax with a max makes both
@@ -23,17 +24,24 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .fp8_casts import DTYPES, SLOTS
+from typing import Sequence
+
+from .fp8_casts import DTYPES, SLOTS, WIDTH
 
 
 class DelayedScales:
-    def __init__(self, num_mlps: int, history: int, device: torch.device) -> None:
+    def __init__(self, kinds: Sequence[str], history: int, device: torch.device) -> None:
+        """kinds: each row's, "mlp" or "linears<n>" (kernels/fp8_casts.py SLOTS)."""
         if history < 1:
             raise ValueError(f"fp8.amax_history must be >= 1, got {history}")
-        self.amax = torch.zeros(num_mlps, len(SLOTS), device=device)
-        self.history = torch.zeros(history, num_mlps, len(SLOTS), device=device)
-        self.scratch = torch.zeros(len(SLOTS), device=device)  # eval forwards raise this, which nothing reads
-        self._fmax = torch.tensor([torch.finfo(d).max for d in DTYPES], device=device, dtype=torch.float64)
+        self.kinds = tuple(kinds)
+        n = len(self.kinds)
+        self.amax = torch.zeros(n, WIDTH, device=device)
+        self.history = torch.zeros(history, n, WIDTH, device=device)
+        self.scratch = torch.zeros(WIDTH, device=device)  # eval forwards raise this, which nothing reads
+        self._fmax = torch.tensor([[torch.finfo(d).max for d in DTYPES[k]] for k in self.kinds], device=device,
+                                  dtype=torch.float64).reshape(n, WIDTH)
+        self._used = torch.tensor([[name is not None for name in SLOTS[k]] for k in self.kinds]).reshape(n, WIDTH)
         self._rescale()
 
     def finish_step(self, group=None) -> dict:
@@ -44,9 +52,10 @@ class DelayedScales:
         finite = torch.isfinite(self.amax)
         # a non-finite amax (an overflowing step, skipped or not) would make a scale of 0 for L steps: left out
         amax = torch.where(finite, self.amax, torch.zeros_like(self.amax))
-        held = ~self.unseen.to(amax.device)  # slots that cast with a scale from the history, not their own amax
+        # slots that cast with a scale from the history, not their own amax
+        held = (self._used & ~self.unseen).to(amax.device)
         over = torch.where(held, amax / self.covered.clamp(min=1e-30), torch.zeros_like(amax))
-        record = {"fp8_saturated": int((over > 1).sum()),  # operand slots (8 an MLP) whose values clamped this step
+        record = {"fp8_saturated": int((over > 1).sum()),  # operand slots whose values clamped this step
                   # the largest amax against what its scale covered: above 1, by how much the worst operand clamped
                   "fp8_amax_over_scale": float(over.max()),
                   "fp8_dynamic": int(self.unseen.sum()),  # slots that took their own amax (no history: step 1)
@@ -63,22 +72,23 @@ class DelayedScales:
         # its own amax, as tensorwise does, rather than a scale of float8 max / 1e-12 that would flush it to zero
         self.covered = self.history.amax(0)
         self.scales = (self._fmax / self.covered.double().clamp(min=1e-12)).float()
-        self.unseen = (self.covered == 0).cpu()  # read on the host by each forward: one copy a step
+        self.unseen = (self.covered == 0).cpu() & self._used  # read on the host by each forward: one copy a step
 
     def set_scales(self, row: int, scales: torch.Tensor) -> None:
-        """Fixed scales for one MLP, as if its history had made them (tests and scripts/bench/bench_fp8_mlp.py)."""
+        """Fixed scales for one row, as if its history had made them (tests and scripts/bench/bench_fp8_mlp.py)."""
         self.scales[row] = scales.to(self.scales)
         self.covered[row] = (self._fmax / self.scales[row].double()).float()
         self.unseen[row] = False
 
     def state_dict(self) -> dict:
-        return {"slots": SLOTS, "history": self.history.cpu()}
+        return {"slots": [SLOTS[k] for k in self.kinds], "history": self.history.cpu()}  # slots name the kinds
 
     def load_state_dict(self, state: dict) -> None:
-        if tuple(state["slots"]) != SLOTS or state["history"].shape[1:] != self.history.shape[1:]:
+        slots = [tuple(r) for r in state["slots"]]
+        if slots != [SLOTS[k] for k in self.kinds] or state["history"].shape[1:] != self.history.shape[1:]:
             raise RuntimeError(f"the checkpoint's fp8.recipe=delayed history is of {tuple(state['history'].shape)} "
-                               f"(slots {state['slots']}), this model's of {tuple(self.history.shape)}: resume with "
-                               "the model that wrote it")
+                               f"({len(slots)} sites), this model's of {tuple(self.history.shape)} ({len(self.kinds)} "
+                               "sites, or of other kinds): resume with the model and fp8.linears that wrote it")
         saved = state["history"].to(self.history.device)
         length = min(len(saved), len(self.history))  # fp8.amax_history changed: keep the newest that fit
         self.history.zero_()

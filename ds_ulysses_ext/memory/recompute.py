@@ -179,7 +179,7 @@ class SelectiveRecompute(MemoryPolicy):
             if mlp is None or not _looks_gated(mlp):
                 continue
             if getattr(mlp.__dict__.get("forward"), "keeps_no_product", False):
-                # fp8.recipe=delayed's MLP (kernels/fp8_delayed_mlp.py) forms the product again in its backward
+                # fp8.recipe=delayed's MLP (kernels/fp8_delayed.py) forms the product again in its backward
                 self.num_mlps += 1
                 continue
             bound = getattr(mlp.__dict__.get("forward"), "act_mul", None)  # the fused kernels' MLP (kernels/bind.py)

@@ -22,7 +22,7 @@ Why: precision=fp8's speed rests on how the amax / scale / cast kernels around e
   the next step's scale): forward amaxes written into buffers, backward ones returned as a sink's gradient. What
   inductor makes of that decides whether delayed scaling can pay: where it fuses each amax into its cast kernel
   this variant runs as fast as the static one, where not as slow as `fp8_mlp` (torchtitan's PR 698 found the latter).
-- `fp8_mlp_fused`: fp8.recipe=delayed's MLP (ds_ulysses_ext/kernels/fp8_delayed_mlp.py) with the static scales: our
+- `fp8_mlp_fused`: fp8.recipe=delayed's MLP (ds_ulysses_ext/kernels/fp8_delayed.py) with the static scales: our
   Triton casts, each taking its amax in the same pass as the cast and its transposed copy (no torch.compile).
 Each JSON line: variant, recipe, tokens, median ms of forward + backward (input and weight gradients), peak memory of
 the timed steps, the ratio to `bf16`, the forward output's relative distance from bf16's, and whether the
@@ -143,10 +143,10 @@ def variant(base: torch.nn.Module, name: str, recipe: str, x: torch.Tensor, g: t
     if name == "bf16_compiled":
         return torch.compile(m)
     if name == "fp8_mlp_fused":  # the MLP's own nn.Linear weights, read by the delayed Function
-        from ds_ulysses_ext.kernels.fp8_delayed_mlp import bind_delayed_mlp
+        from ds_ulysses_ext.kernels.fp8_delayed import bind_delayed_mlp
         from ds_ulysses_ext.kernels.fp8_scales import DelayedScales
         m.scales = static_scales(base, x, g)  # in the Function's slot order (kernels/fp8_casts.py SLOTS)
-        state = DelayedScales(1, 1, x.device)
+        state = DelayedScales(["mlp"], 1, x.device)
         state.set_scales(0, torch.stack([v.float().reshape(()) for v in m.scales.values()]))
         bind_delayed_mlp(m, state, 0)
         m.amax_record = dict(zip(m.scales, state.amax[0].unbind()))
