@@ -418,7 +418,8 @@ def test_delayed_trains_within_fp8s_distance_and_logs_its_scales(delayed_runs):
     _, runs = delayed_runs
     rows = runs["delayed"]
     report = rows[0]["fp8"]
-    assert report["recipe"] == "delayed" and (report["delayed_mlps"], report["delayed_qkv"], report["delayed_o"]) == (4, 4, 4)
+    assert report["recipe"] == "delayed"
+    assert (report["delayed_mlps"], report["delayed_qkv"], report["delayed_o"]) == (4, 4, 4)
     # step 1: every slot its own amax (an MLP's 8, q/k/v's 7, o_proj's 3, in 4 layers)
     assert rows[0]["fp8_dynamic"] == 4 * (8 + 7 + 3) and rows[0]["fp8_saturated"] == 0
     assert all(r["fp8_dynamic"] == 0 and r["fp8_nonfinite_amax"] == 0 for r in rows[1:])

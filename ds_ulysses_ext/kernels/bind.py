@@ -92,7 +92,7 @@ def apply_fused_kernels(model: torch.nn.Module, mode: str, device: torch.device,
             else:
                 report.skipped_norms.append(type(module).__name__)
         elif _is_gated_mlp(module):
-            if _is_silu(module.act_fn):
+            if is_silu(module.act_fn):
                 _bind_mlp(module, provider)
                 report.mlps += 1
             else:
@@ -149,7 +149,7 @@ def _is_gated_mlp(m) -> bool:
         and hasattr(m, "act_fn") and "forward" not in m.__dict__
 
 
-def _is_silu(act) -> bool:
+def is_silu(act) -> bool:
     # HF's ACT2FN["silu"] is transformers.activations.SiLUActivation (F.silu); torch's own nn.SiLU is the same op
     return isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation" or act is F.silu
 

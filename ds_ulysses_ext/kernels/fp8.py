@@ -231,7 +231,7 @@ def _bind_delayed(decoder, chosen: set, report: Fp8Report, partitioned: bool, hi
     a known class (HF's own forward), with SiLU and no biases; each attention's q/k/v where all three are chosen and
     have no bias (one group: one cast of x); each chosen o_proj without a bias. Refused where no MLP qualifies: the
     user asked for delayed scales, and the MLPs are most of what they buy."""
-    from .bind import _is_silu
+    from .bind import is_silu
     from .projections import ProjectionGroup
     if partitioned:
         raise UnsupportedError("fp8.recipe=delayed runs each MLP as one function on its three weights, past the "
@@ -243,7 +243,7 @@ def _bind_delayed(decoder, chosen: set, report: Fp8Report, partitioned: bool, hi
         if all(n in chosen for n in names):
             if not is_known_gated_mlp(module):
                 why.add(f"{type(module).__name__} is not a known down(act(gate) * up) MLP")
-            elif not _is_silu(module.act_fn):
+            elif not is_silu(module.act_fn):
                 why.add(f"{type(module).__name__}'s activation is not SiLU")
             elif any(getattr(module, p).bias is not None for p in MLP_NAMES):
                 why.add("MLP projections with biases")
@@ -258,9 +258,9 @@ def _bind_delayed(decoder, chosen: set, report: Fp8Report, partitioned: bool, hi
         if name.rsplit(".", 1)[-1] == "o_proj" and name in chosen and module.bias is None:
             sites.append(("linears1", module, [name]))
     if not any(kind == "mlp" for kind, _, _ in sites):
+        found = "".join(f"; {w}" for w in sorted(why))
         raise UnsupportedError(f"fp8.recipe=delayed: no MLP can take delayed scales (it needs a known gated MLP with "
-                               f"SiLU, no biases and its three projections in FP8{'; ' + '; '.join(sorted(why)) if why else ''}"
-                               "): set fp8.recipe=tensorwise")
+                               f"SiLU, no biases and its three projections in FP8{found}): set fp8.recipe=tensorwise")
     device = device or next(sites[0][1].parameters()).device
     report.scales = state = DelayedScales([kind for kind, _, _ in sites], history, device)
     for row, (kind, module, names) in enumerate(sites):
