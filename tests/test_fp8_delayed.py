@@ -61,7 +61,7 @@ def _run(mlp, x, dy):
 
 
 def _rel(a, b):
-    return float((a.float() - b.float()).norm() / b.float().norm())
+    return float((a.detach().float() - b.detach().float()).norm() / b.detach().float().norm())
 
 
 def _inputs(seed=1):
