@@ -224,3 +224,29 @@ def test_the_state_round_trips_and_refuses_another_model():
     assert torch.equal(again.unseen, state.unseen) and not again.unseen.any()
     with pytest.raises(RuntimeError, match="resume with the model and fp8.linears that wrote it"):
         DelayedScales(["mlp"] * 3, 4, torch.device("cpu")).load_state_dict(state.state_dict())
+
+
+def test_first_use_check_falls_back_from_kernel_e5m2_transposes_to_torchs_then_to_the_torch_path(monkeypatch):
+    """kernels_ok's order on a GPU (the verdicts stubbed, the kernels themselves run only there:
+    tests/test_gpu_fp8_delayed.py): the e5m2 transposed copies written by the kernels where they agree with the torch
+    path, else torch's copy of them (the way checked on an H100), else the torch path altogether."""
+    from ds_ulysses_ext.kernels import fp8_casts
+    from ds_ulysses_ext.kernels.fp8_casts import Launch
+    verdict, asked = {}, []
+
+    def agrees(what, device, dtype, pairs):
+        asked.append(pairs.args[1])  # the e5_cols the pairs were made for
+        return verdict[pairs.args[1]]
+    monkeypatch.setattr(fp8_casts, "agrees", agrees)
+    monkeypatch.setattr(fp8_casts.importlib.util, "find_spec", lambda name: object())  # triton "installed"
+    dev = torch.device("cuda", 0)
+    try:
+        for kernel_cols, torch_cols, want, order in ((True, True, Launch(True), [True]),
+                                                     (False, True, Launch(False), [True, False]),
+                                                     (False, False, False, [True, False])):
+            verdict.update({True: kernel_cols, False: torch_cols})
+            asked.clear()
+            fp8_casts.kernels_ok.cache_clear()
+            assert fp8_casts.kernels_ok(dev) == want and asked == order, (verdict, asked)
+    finally:
+        fp8_casts.kernels_ok.cache_clear()

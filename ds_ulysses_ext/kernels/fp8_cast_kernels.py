@@ -6,12 +6,16 @@ transposed copy made contiguous ([N, M]). scale and amax: pointers to one fp32 e
     cast:        x [M, N]                  ->  x8 [M, N], and x8t [N, M] where COLS;  amax raised to max|x|
     swiglu_fwd:  g, u [T, I]               ->  h8 [T, I], h = silu(g) * u;    amax raised to max|h|
     swiglu_bwd:  dh, g, u [T, I]           ->  h8t [I, T] (h again, for down's weight gradient),
-                                               dg8, du8 [T, I] (e5m2);  amax raised for dg, du
+                                               dg8, du8 [T, I] (e5m2), and dg8t, du8t [I, T] where
+                                               D_COLS;  amax raised for dg, du
 
-No kernel here transposes an e5m2 tile: on an H100 (Triton of torch 2.11) the SwiGLU backward's transposed e5m2
-copies came out with a quarter of their bytes never written, at 1024 x 1024 and above, while its e4m3 transpose in
-the same kernel and the casts' e4m3 transposes were right (docs/precision.md). kernels/fp8_casts.py makes the e5m2
-transposes with torch's copy.
+The transposed copies: e4m3 tiles go through tl.trans. An e5m2 tile transposed that way came out with a quarter of its
+bytes never written on an H100 (Triton of torch 2.11, the SwiGLU backward's dg8t and du8t at 1024 x 1024 and above;
+docs/precision.md), a known Triton fault (triton-lang issue 11111: a transposed, vectorised 1-byte store mis-lowered,
+there beside NaN-propagating min/max). So an e5m2 tile is stored at the transposed addresses without tl.trans, and
+clamped with tl.where rather than min/max, the two workarounds reported for it. That path (COLS = 2) is unproven on a
+GPU: kernels/fp8_casts.py's first-use check runs it on every tile and, where it
+disagrees, makes the e5m2 transposes with torch's copy instead (COLS = 0, checked on an H100 on 2026-12-07).
 
 Each reads its operands once: the cast, the transposed copy and the amax come from one pass. That is what delayed
 scaling needs to pay: inductor ran every amax as a reduction kernel of its own, as slow as dynamic scaling's
@@ -25,11 +29,19 @@ from torch._inductor.runtime.triton_helpers import libdevice
 
 @triton.jit
 def _store_cast(v, scale, fmax, out_ptr, out_t_ptr, rm, rn, M, N, mask, ROWS: tl.constexpr, COLS: tl.constexpr):
-    y = tl.minimum(tl.maximum(v * scale, -fmax), fmax).to(out_ptr.dtype.element_ty)
+    """ROWS: store the [M, N] cast; COLS: its [N, M] transposed copy, 1 by tl.trans (e4m3), 2 at the transposed
+    addresses (e5m2, the module docstring says why), 0 none."""
+    if COLS == 2:
+        f = v * scale
+        y = tl.where(f > fmax, fmax, tl.where(f < -fmax, -fmax, f)).to(out_ptr.dtype.element_ty)
+    else:
+        y = tl.minimum(tl.maximum(v * scale, -fmax), fmax).to(out_ptr.dtype.element_ty)
     if ROWS:
         tl.store(out_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], y, mask=mask)
-    if COLS:  # transposed after the rounding: a quarter of the shared memory an fp32 tile would take
+    if COLS == 1:  # transposed after the rounding: a quarter of the shared memory an fp32 tile would take
         tl.store(out_t_ptr + rn[:, None].to(tl.int64) * M + rm[None, :], tl.trans(y), mask=tl.trans(mask))
+    if COLS == 2:
+        tl.store(out_t_ptr + rn[None, :].to(tl.int64) * M + rm[:, None], y, mask=mask)
 
 
 @triton.jit
@@ -69,13 +81,13 @@ def swiglu_fwd(g_ptr, u_ptr, scale_ptr, amax_ptr, h_ptr, M, N, BM: tl.constexpr,
     u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     h = g / (libdevice.exp(-g) + 1.0) * u
     _amax(h, amax_ptr)
-    _store_cast(h, tl.load(scale_ptr), 448.0, h_ptr, h_ptr, rm, rn, M, N, mask, True, False)
+    _store_cast(h, tl.load(scale_ptr), 448.0, h_ptr, h_ptr, rm, rn, M, N, mask, True, 0)
 
 
 @triton.autotune(configs=TILES, key=["M", "N"])
 @triton.jit
 def swiglu_bwd(dh_ptr, g_ptr, u_ptr, h_scale_ptr, dg_scale_ptr, du_scale_ptr, dg_amax_ptr, du_amax_ptr, ht_ptr,
-               dg_ptr, du_ptr, M, N, BM: tl.constexpr, BN: tl.constexpr):
+               dg_ptr, dgt_ptr, du_ptr, dut_ptr, M, N, D_COLS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     rm, rn, mask, offs = _tile(M, N, BM, BN)
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -88,6 +100,6 @@ def swiglu_bwd(dh_ptr, g_ptr, u_ptr, h_scale_ptr, dg_scale_ptr, du_scale_ptr, dg
     _amax(d_gate, dg_amax_ptr)
     _amax(d_up, du_amax_ptr)
     # h = silu * u again, transposed, for down's weight gradient (recomputed rather than kept from the forward)
-    _store_cast(silu * u, tl.load(h_scale_ptr), 448.0, ht_ptr, ht_ptr, rm, rn, M, N, mask, False, True)
-    _store_cast(d_gate, tl.load(dg_scale_ptr), 57344.0, dg_ptr, dg_ptr, rm, rn, M, N, mask, True, False)
-    _store_cast(d_up, tl.load(du_scale_ptr), 57344.0, du_ptr, du_ptr, rm, rn, M, N, mask, True, False)
+    _store_cast(silu * u, tl.load(h_scale_ptr), 448.0, ht_ptr, ht_ptr, rm, rn, M, N, mask, False, 1)
+    _store_cast(d_gate, tl.load(dg_scale_ptr), 57344.0, dg_ptr, dgt_ptr, rm, rn, M, N, mask, True, D_COLS)
+    _store_cast(d_up, tl.load(du_scale_ptr), 57344.0, du_ptr, dut_ptr, rm, rn, M, N, mask, True, D_COLS)

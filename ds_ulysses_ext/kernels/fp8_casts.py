@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -45,14 +46,19 @@ def _raise(amax: torch.Tensor, slot: int, v: torch.Tensor) -> None:
     amax[slot] = torch.maximum(amax[slot], v.abs().amax())
 
 
-def _launch(name: str, m: int, n: int, kernel, *args, **consts):
-    """Kernel `name` over an [m, n] operand: autotuned where `kernel` is True, else on the tile `kernel` names,
-    (BM, BN, warps) of fp8_cast_kernels.TILE_SHAPES (the first-use check runs each)."""
+class Launch(NamedTuple):
+    """How the Triton kernels run (the `kernel` argument of the ops here; False: the torch path)."""
+    e5_cols: bool  # the e5m2 transposed copies written by the kernels; else by torch's copy (fp8_cast_kernels.py)
+    tile: Optional[tuple] = None  # (BM, BN, warps) of fp8_cast_kernels.TILE_SHAPES; None: autotuned
+
+
+def _launch(name: str, m: int, n: int, kernel: Launch, *args, **consts):
+    """Kernel `name` over an [m, n] operand: autotuned, or on the tile `kernel` names (the first-use check runs each)."""
     from triton import cdiv
     tuned = getattr(_kernels(), name)
-    if kernel is True:
+    if kernel.tile is None:
         return tuned[lambda meta: (cdiv(m, meta["BM"]), cdiv(n, meta["BN"]))](*args, **consts)
-    bm, bn, warps = kernel
+    bm, bn, warps = kernel.tile
     return tuned.fn[(cdiv(m, bm), cdiv(n, bn))](*args, **consts, BM=bm, BN=bn, num_warps=warps)
 
 
@@ -66,7 +72,7 @@ def cast(x: torch.Tensor, scales: torch.Tensor, amax: torch.Tensor, slot: int, d
     m, n = x.shape
     if kernel:
         out = torch.empty((m, n), dtype=dtype, device=x.device)
-        cols = dtype == E4  # an e5m2 transpose by torch's copy (fp8_cast_kernels.py says why)
+        cols = 1 if dtype == E4 else 2 if kernel.e5_cols else 0  # fp8_cast_kernels._store_cast's COLS
         out_t = torch.empty((n, m), dtype=dtype, device=x.device) if cols else out
         _launch("cast", m, n, kernel, x, scales[slot:], amax[slot:], out, out_t, m, n, FMAX=torch.finfo(dtype).max,
                 COLS=cols)
@@ -95,9 +101,13 @@ def swiglu_bwd(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, scales: torch
     if kernel:
         ht = torch.empty((n, m), dtype=E4, device=g.device)
         dg, du = (torch.empty((m, n), dtype=E5, device=g.device) for _ in range(2))
+        dgt, dut = ((torch.empty((n, m), dtype=E5, device=g.device) for _ in range(2)) if kernel.e5_cols
+                    else (dg, du))
         _launch("swiglu_bwd", m, n, kernel, dh, g, u, scales[H:], scales[D_GATE:], scales[D_UP:], amax[D_GATE:],
-                amax[D_UP:], ht, dg, du, m, n)
-        return ht, dg, dg.t().contiguous(), du, du.t().contiguous()  # e5m2 transposes by torch's copy
+                amax[D_UP:], ht, dg, dgt, du, dut, m, n, D_COLS=2 if kernel.e5_cols else 0)
+        if not kernel.e5_cols:
+            dgt, dut = dg.t().contiguous(), du.t().contiguous()
+        return ht, dg, dgt, du, dut
     gf, uf, dhf = g.float(), u.float(), dh.float()
     e = torch.exp(-gf) + 1
     silu, sig = gf / e, 1 / e
@@ -109,34 +119,44 @@ def swiglu_bwd(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, scales: torch
 
 
 @functools.lru_cache(maxsize=None)
-def kernels_ok(device: torch.device) -> bool:
-    """The three Triton kernels against the torch path, once per device, on every tile the autotuner may choose, at a
-    shape with partial tiles in both directions and large enough for every tile to run many programs (on an H100 the
-    SwiGLU backward's e5m2 transposed copies came out a quarter wrong at 1024 x 1024 and above while 200 x 136 agreed:
-    docs/precision.md). The casts must agree exactly (the same fp32 product, clamp and rounding) and so must every
-    amax; the SiLU outputs within a float8 step here and there (libdevice's exp against torch's can move a product
-    across a rounding boundary: 1e-2 norm-wise is about one element in a hundred a step apart). `kernel` arguments: a
-    tile, (BM, BN, warps)."""
+def kernels_ok(device: torch.device):
+    """How the Triton kernels run on `device` (a Launch), or False for the torch path: once per device, the kernels
+    against the torch path on every tile the autotuner may choose, first with the e5m2 transposed copies written by
+    the kernels, then, where those disagree, with torch's copy of them (fp8_cast_kernels.py says why)."""
     if device.type != "cuda" or importlib.util.find_spec("triton") is None:
         return False
+    for e5_cols in (True, False):
+        what = ("fp8.recipe=delayed: the Triton casts" +
+                (" with their e5m2 transposed copies" if e5_cols else ", their e5m2 transposes by torch's copy"))
+        if agrees(what, device, torch.bfloat16, functools.partial(_check_pairs, device, e5_cols)):
+            return Launch(e5_cols)
+    return False
 
-    def pairs():
-        gen = torch.Generator(device=device).manual_seed(0)
-        rand = lambda *s: (3 * torch.randn(*s, device=device, generator=gen)).to(torch.bfloat16)  # noqa: E731
-        m, n = 1040, 1056  # not multiples of any tile, and over 1024 each way
-        x, g, u, dh = rand(m, n), rand(m, n), rand(m, n), rand(m, n)
-        scales = torch.rand(WIDTH, device=device, generator=gen) * 8 + 1
-        names = ("x8", "x8t", "dy8", "dy8t", "h8", "h8t", "dg8", "dg8t", "du8", "du8t")
-        exact = {"x8", "x8t", "dy8", "dy8t"}
 
-        def run(kernel):
-            amax = torch.zeros(WIDTH, device=device)
-            res = (*cast(x, scales, amax, X, E4, kernel), *cast(dh, scales, amax, DY, E5, kernel),
-                   swiglu_fwd(g, u, scales, amax, kernel), *swiglu_bwd(dh, g, u, scales, amax, kernel))
-            return res, amax
-        ref, ref_amax = run(False)
-        for tile in _kernels().TILE_SHAPES:
-            got, got_amax = run(tile)
-            yield from ((f"{name} {tile}", a, b, 0.0 if name in exact else 1e-2) for name, a, b in zip(names, got, ref))
-            yield f"amax {tile}", got_amax, ref_amax, 1e-5
-    return agrees("fp8.recipe=delayed: the Triton casts", device, torch.bfloat16, pairs)
+def _check_pairs(device: torch.device, e5_cols: bool):
+    """The first-use check's pairs, at a shape with partial tiles in both directions and large enough for every tile to
+    run many programs (on an H100 the SwiGLU backward's e5m2 transposed copies came out a quarter wrong at 1024 x 1024
+    and above while 200 x 136 agreed: docs/precision.md). The casts must agree exactly (the same fp32 product, clamp
+    and rounding) and so must every amax; the SiLU outputs within a float8 step here and there (libdevice's exp
+    against torch's can move a product across a rounding boundary: 1e-2 norm-wise is about one element in a hundred a
+    step apart)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    rand = lambda *s: (3 * torch.randn(*s, device=device, generator=gen)).to(torch.bfloat16)  # noqa: E731
+    m, n = 1040, 1056  # not multiples of any tile, and over 1024 each way
+    x, g, u, dh = rand(m, n), rand(m, n), rand(m, n), rand(m, n)
+    scales = torch.rand(WIDTH, device=device, generator=gen) * 8 + 1
+    names = ("x8", "x8t", "dy8", "dy8t", "h8", "h8t", "dg8", "dg8t", "du8", "du8t")
+    exact = {"x8", "x8t", "dy8", "dy8t"}
+
+    def run(kernel):
+        amax = torch.zeros(WIDTH, device=device)
+        res = (*cast(x, scales, amax, X, E4, kernel), *cast(dh, scales, amax, DY, E5, kernel),
+               swiglu_fwd(g, u, scales, amax, kernel), *swiglu_bwd(dh, g, u, scales, amax, kernel))
+        return res, amax
+    ref, ref_amax = run(False)
+    kept = []  # every tile's outputs stay allocated: a later tile's unwritten bytes must not find an earlier one's
+    for tile in _kernels().TILE_SHAPES:
+        got, got_amax = run(Launch(e5_cols, tile))
+        kept.append(got)
+        yield from ((f"{name} {tile}", a, b, 0.0 if name in exact else 1e-2) for name, a, b in zip(names, got, ref))
+        yield f"amax {tile}", got_amax, ref_amax, 1e-5
