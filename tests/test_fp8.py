@@ -424,6 +424,8 @@ def test_delayed_trains_within_fp8s_distance_and_logs_its_scales(delayed_runs):
     assert rows[0]["fp8_dynamic"] == 4 * (8 + 7 + 3) and rows[0]["fp8_saturated"] == 0
     assert all(r["fp8_dynamic"] == 0 and r["fp8_nonfinite_amax"] == 0 for r in rows[1:])
     assert all(r["fp8_amax_over_scale"] > 0.5 for r in rows[1:])  # the scales follow the amaxes
+    # which operands clamped: the same slots, by name
+    assert all(sum(r["fp8_saturated_by_operand"].values()) == r["fp8_saturated"] for r in rows)
     d = [_rel(f["loss"], b["loss"]) for f, b in zip(rows, runs["bf16"])]
     assert 0 < max(d) < 2e-2, d  # FP8's rounding (tensorwise's measured distance here: up to 4e-3), not more
 

@@ -138,15 +138,15 @@ def test_first_step_takes_its_own_amaxes_then_the_history_gives_the_same_scales(
     amax = state.amax.clone()
     assert bool((amax > 0).all()), amax  # every operand's amax was raised, the backward's too
     assert float(amax[0, 0]) == float(x.float().abs().max())
-    assert state.finish_step() == {"fp8_saturated": 0, "fp8_amax_over_scale": 0.0, "fp8_dynamic": 8,
-                                   "fp8_nonfinite_amax": 0}  # every slot took its own amax: none clamped
+    assert state.finish_step() == {"fp8_saturated": 0, "fp8_saturated_by_operand": {}, "fp8_amax_over_scale": 0.0,
+                                   "fp8_dynamic": 8, "fp8_nonfinite_amax": 0}  # every slot its own amax: none clamped
     assert not state.unseen.any() and torch.equal(state.history[0], amax)
     second = _run(mlp, x, dy)
     for a, b in zip((first[0],) + first[1], (second[0],) + second[1]):
         assert torch.equal(a, b)
     assert torch.equal(state.amax, amax)
-    assert state.finish_step() == {"fp8_saturated": 0, "fp8_amax_over_scale": 1.0, "fp8_dynamic": 0,
-                                   "fp8_nonfinite_amax": 0}
+    assert state.finish_step() == {"fp8_saturated": 0, "fp8_saturated_by_operand": {}, "fp8_amax_over_scale": 1.0,
+                                   "fp8_dynamic": 0, "fp8_nonfinite_amax": 0}
 
 
 def test_amax_is_a_max_over_recomputes_and_micro_steps():
@@ -179,8 +179,9 @@ def test_the_roll_keeps_the_last_steps_and_counts_what_clamped():
     def step(value, where=(0, 0)):
         state.amax[where] = value
         return state.finish_step()
-    rec = lambda saturated, over, own, nonfinite=0: {  # noqa: E731
-        "fp8_saturated": saturated, "fp8_amax_over_scale": over, "fp8_dynamic": own, "fp8_nonfinite_amax": nonfinite}
+    rec = lambda saturated, over, own, nonfinite=0, by=None: {  # noqa: E731
+        "fp8_saturated": saturated, "fp8_saturated_by_operand": by or {}, "fp8_amax_over_scale": over,
+        "fp8_dynamic": own, "fp8_nonfinite_amax": nonfinite}
     assert step(2.0) == rec(0, 0.0, 16)  # step 1: every slot its own amax
     assert float(state.scales[0, 0]) == pytest.approx(e4 / 2.0)
     # a slot never seen (history all zero) takes its own amax again, not float8 max / 1e-12 (which would flush it)
@@ -189,11 +190,12 @@ def test_the_roll_keeps_the_last_steps_and_counts_what_clamped():
     assert float(state.scales[0, 0]) == pytest.approx(e4 / 2.0)  # the history's max: 2 is one of the last two
     step(0.5)
     assert float(state.scales[0, 0]) == pytest.approx(e4 / 1.0)  # 2 has left the history
-    assert step(3.0) == rec(1, 3.0, 15)  # covered 1: clamped, and by how much
+    assert step(3.0) == rec(1, 3.0, 15, by={"x": 1})  # covered 1: clamped, by how much, and which operand
     assert step(float("nan")) == rec(0, 0.0, 15, nonfinite=1)
     assert float(state.scales[0, 0]) == pytest.approx(e4 / 3.0)  # the NaN left out, not a scale of 0 or NaN
     step(5.0, where=(1, 7))
     assert float(state.scales[1, 7]) == pytest.approx(e5 / 5.0)  # each MLP and operand its own
+    assert step(6.0, where=(1, 7))["fp8_saturated_by_operand"] == {"dy": 1}  # the second MLP's output gradient
     assert not bool(state.amax.any())  # zeroed for the next step
 
 

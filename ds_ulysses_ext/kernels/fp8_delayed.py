@@ -137,14 +137,17 @@ def _unseen(state: DelayedScales, row: int) -> tuple:
     return tuple(state.unseen[row].tolist())
 
 
-def bind_delayed_mlp(mlp: torch.nn.Module, state: DelayedScales, row: int) -> None:
-    """mlp.forward becomes the MLP Function on the MLP's own weights, with row `row` of the state."""
+def bind_delayed_mlp(mlp: torch.nn.Module, state: DelayedScales, row: int, launch=None) -> None:
+    """mlp.forward becomes the MLP Function on the MLP's own weights, with row `row` of the state. `launch`: how the
+    kernels run (kernels/fp8_casts.py Launch; scripts/bench/bench_fp8_mlp.py compares the two ways); None: as the
+    first-use check chose."""
     weights = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
 
     def forward(x):
         flat = _flat(x)
+        kernel = launch if launch is not None else flat.is_cuda and kernels_ok(flat.device)
         y = DelayedFp8Mlp.apply(flat, *weights, state.scales[row], _amax(mlp, state, row), _unseen(state, row),
-                                flat.is_cuda and kernels_ok(flat.device))
+                                kernel)
         return y.reshape(*x.shape[:-1], y.shape[-1])
     # memory/recompute.py's selective policy leaves this MLP as it is: it keeps no product of the size of h
     forward.keeps_no_product = True

@@ -55,7 +55,13 @@ class DelayedScales:
         # slots that cast with a scale from the history, not their own amax
         held = (self._used & ~self.unseen).to(amax.device)
         over = torch.where(held, amax / self.covered.clamp(min=1e-30), torch.zeros_like(amax))
-        record = {"fp8_saturated": int((over > 1).sum()),  # operand slots whose values clamped this step
+        clamped = (over > 1).cpu()
+        by_operand = {}  # which operands clamp (x, h, the weights, the gradients), summed over the sites
+        for row, slot in clamped.nonzero().tolist():
+            name = SLOTS[self.kinds[row]][slot]
+            by_operand[name] = by_operand.get(name, 0) + 1
+        record = {"fp8_saturated": int(clamped.sum()),  # operand slots whose values clamped this step
+                  "fp8_saturated_by_operand": by_operand,
                   # the largest amax against what its scale covered: above 1, by how much the worst operand clamped
                   "fp8_amax_over_scale": float(over.max()),
                   "fp8_dynamic": int(self.unseen.sum()),  # slots that took their own amax (no history: step 1)

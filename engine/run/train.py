@@ -251,10 +251,12 @@ def _warn_fp8_saturation(record: dict, is_main: bool, warned: list) -> None:
     if warned and record["step"] < warned[-1] + 100:
         return
     warned.append(record["step"])
-    log.warning("step %d: fp8.recipe=delayed: %d operand(s) clamped at the float8 range (amax up to %.3gx what its "
+    which = ", ".join(f"{name} x{n}" for name, n in sorted(record.get("fp8_saturated_by_operand", {}).items()))
+    log.warning("step %d: fp8.recipe=delayed: %d operand(s) clamped at the float8 range (%s; amax up to %.3gx what its "
                 "scale covered), %d non-finite amax(es) left out of the history; metrics.jsonl counts them every step "
                 "(fp8_saturated); a longer fp8.amax_history covers more of a growing range", record["step"],
-                record.get("fp8_saturated", 0), record.get("fp8_amax_over_scale", 0.0), record["fp8_nonfinite_amax"])
+                record.get("fp8_saturated", 0), which or "none", record.get("fp8_amax_over_scale", 0.0),
+                record["fp8_nonfinite_amax"])
 
 
 def _sync(device: torch.device) -> None:

@@ -23,7 +23,10 @@ Why: precision=fp8's speed rests on how the amax / scale / cast kernels around e
   inductor makes of that decides whether delayed scaling can pay: where it fuses each amax into its cast kernel
   this variant runs as fast as the static one, where not as slow as `fp8_mlp` (torchtitan's PR 698 found the latter).
 - `fp8_mlp_fused`: fp8.recipe=delayed's MLP (ds_ulysses_ext/kernels/fp8_delayed.py) with the static scales: our
-  Triton casts, each taking its amax in the same pass as the cast and its transposed copy (no torch.compile).
+  Triton casts, each taking its amax in the same pass as the cast and its transposed copy (no torch.compile), run as
+  the first-use check chose (kernels/fp8_casts.py kernels_ok: the e5m2 transposed copies by the kernels where they
+  agreed there);
+- `fp8_mlp_fused_torch_t`: the same with the e5m2 transposes by torch's copy (the check's fallback), what they cost.
 Each JSON line: variant, recipe, tokens, median ms of forward + backward (input and weight gradients), peak memory of
 the timed steps, the ratio to `bf16`, the forward output's relative distance from bf16's, and whether the
 `fp8_mlp_*` variants' output and gradients equal `fp8_mlp`'s bit for bit (the cast-once ones should; the
@@ -142,13 +145,14 @@ def variant(base: torch.nn.Module, name: str, recipe: str, x: torch.Tensor, g: t
         return m
     if name == "bf16_compiled":
         return torch.compile(m)
-    if name == "fp8_mlp_fused":  # the MLP's own nn.Linear weights, read by the delayed Function
+    if name in ("fp8_mlp_fused", "fp8_mlp_fused_torch_t"):  # the MLP's own nn.Linear weights, read by the Function
+        from ds_ulysses_ext.kernels.fp8_casts import Launch
         from ds_ulysses_ext.kernels.fp8_delayed import bind_delayed_mlp
         from ds_ulysses_ext.kernels.fp8_scales import DelayedScales
         m.scales = static_scales(base, x, g)  # in the Function's slot order (kernels/fp8_casts.py SLOTS)
         state = DelayedScales(["mlp"], 1, x.device)
         state.set_scales(0, torch.stack([v.float().reshape(()) for v in m.scales.values()]))
-        bind_delayed_mlp(m, state, 0)
+        bind_delayed_mlp(m, state, 0, Launch(e5_cols=False) if name == "fp8_mlp_fused_torch_t" else None)
         m.amax_record = dict(zip(m.scales, state.amax[0].unbind()))
         return m
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -239,7 +243,8 @@ def main():
                 # the fixed-scale variants against fp8_mlp_static (the same scales): the largest relative distance
                 # of the output and the gradients
                 to_static = (max(float((a - b).float().norm() / b.float().norm()) for a, b in zip(grads, static_grads))
-                             if name in ("fp8_mlp_delayed", "fp8_mlp_fused") and static_grads is not None else None)
+                             if name in ("fp8_mlp_delayed", "fp8_mlp_fused", "fp8_mlp_fused_torch_t")
+                             and static_grads is not None else None)
                 same = (all(torch.equal(a, b) for a, b in zip(grads, fp8_mlp_grads))
                         if name.startswith("fp8_mlp_") and fp8_mlp_grads is not None else None)
                 if name == "bf16":
