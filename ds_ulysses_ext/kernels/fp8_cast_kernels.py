@@ -14,8 +14,8 @@ bytes never written on an H100 (Triton of torch 2.11, the SwiGLU backward's dg8t
 docs/precision.md), a known Triton fault (triton-lang issue 11111: a transposed, vectorised 1-byte store mis-lowered,
 there beside NaN-propagating min/max). So an e5m2 tile is stored at the transposed addresses without tl.trans, and
 clamped with tl.where rather than min/max, the two workarounds reported for it. That path (COLS = 2) is unproven on a
-GPU: kernels/fp8_casts.py's first-use check runs it on every tile and, where it
-disagrees, makes the e5m2 transposes with torch's copy instead (COLS = 0, checked on an H100 on 2026-12-07).
+GPU: kernels/fp8_casts.py's first-use check runs it on every tile and, where it disagrees, makes the e5m2 transposes
+with torch's copy instead (COLS = 0, checked on an H100 on 2026-12-07).
 
 Each reads its operands once: the cast, the transposed copy and the amax come from one pass. That is what delayed
 scaling needs to pay: inductor ran every amax as a reduction kernel of its own, as slow as dynamic scaling's
