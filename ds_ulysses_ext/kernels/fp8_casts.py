@@ -123,6 +123,9 @@ def swiglu_bwd(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, scales: torch
 # (it specialises pointers on that alignment), and a miscompiled store is a property of the compiled kernel
 CHECKED_OUTPUTS = ("x8", "x8t", "x8 @w_gate", "x8t @w_gate", "dy8", "dy8t", "dy8 @w_down", "dy8t @w_down",
                    "h8", "h8t", "dg8", "dg8t", "du8", "du8t")
+# the SiLU products among them: libdevice's exp against torch's can move one across a float8 rounding boundary; the
+# casts must agree exactly
+SILU_OUTPUTS = ("h8", "dg8", "du8")
 
 
 def checked_outputs(x, g, u, dh, scales, amax, kernel) -> tuple:
@@ -160,7 +163,7 @@ def _check_pairs(device: torch.device, e5_cols: bool):
     x, g, u, dh = rand(m, n), rand(m, n), rand(m, n), rand(m, n)
     scales = torch.rand(WIDTH, device=device, generator=gen) * 8 + 1
     names = CHECKED_OUTPUTS
-    exact = {name for name in names if not name.startswith(("h8", "dg8", "du8"))}
+    exact = {name for name in names if not name.startswith(SILU_OUTPUTS)}
 
     def run(kernel):
         amax = torch.zeros(WIDTH, device=device)

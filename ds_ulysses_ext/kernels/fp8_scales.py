@@ -21,6 +21,8 @@ scaling gives each rank the amax of its own tokens.
 """
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 import torch.distributed as dist
 
@@ -56,12 +58,10 @@ class DelayedScales:
         held = (self._used & ~self.unseen).to(amax.device)
         over = torch.where(held, amax / self.covered.clamp(min=1e-30), torch.zeros_like(amax))
         clamped = (over > 1).cpu()
-        by_operand = {}  # which operands clamp (x, h, the weights, the gradients), summed over the sites
-        for row, slot in clamped.nonzero().tolist():
-            name = SLOTS[self.kinds[row]][slot]
-            by_operand[name] = by_operand.get(name, 0) + 1
         record = {"fp8_saturated": int(clamped.sum()),  # operand slots whose values clamped this step
-                  "fp8_saturated_by_operand": by_operand,
+                  # which operands those are (x, h, the weights, the gradients), summed over the sites
+                  "fp8_saturated_by_operand": dict(Counter(SLOTS[self.kinds[row]][slot]
+                                                           for row, slot in clamped.nonzero().tolist())),
                   # the largest amax against what its scale covered: above 1, by how much the worst operand clamped
                   "fp8_amax_over_scale": float(over.max()),
                   "fp8_dynamic": int(self.unseen.sum()),  # slots that took their own amax (no history: step 1)
