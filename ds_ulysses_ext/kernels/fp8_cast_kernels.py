@@ -3,21 +3,23 @@
 Legend: an operand [M, N] row-major bf16; T tokens, I the MLP's intermediate size; a suffix 8 is float8, `t` the
 transposed copy made contiguous ([N, M]). scale and amax: pointers to one fp32 each (a slot of the MLP's [8]).
 
-    cast:        x [M, N]                  ->  x8 [M, N], and x8t [N, M] where COLS;  amax raised to max|x|
+    cast:        x [M, N]                  ->  x8 [M, N], and x8t [N, M] where COLS (e4m3);  amax raised to max|x|
     swiglu_fwd:  g, u [T, I]               ->  h8 [T, I], h = silu(g) * u;    amax raised to max|h|
     swiglu_bwd:  dh, g, u [T, I]           ->  h8t [I, T] (h again, for down's weight gradient),
-                                               dg8, du8 [T, I] (e5m2), and dg8t, du8t [I, T] where
-                                               D_COLS;  amax raised for dg, du
+                                               dg8, du8 [T, I] (e5m2);  amax raised for dg, du
+    transpose_bytes: a [M, N] 1-byte       ->  its [N, M] copy (the e5m2 operands' transposed copies)
 
-The transposed copies: e4m3 tiles go through tl.trans. An e5m2 tile transposed that way came out with a quarter of its
-bytes never written on an H100 (Triton of torch 2.11, the SwiGLU backward's dg8t and du8t at 1024 x 1024 and above;
-docs/precision.md), a known Triton fault (triton-lang issue 11111: a transposed, vectorised 1-byte store mis-lowered,
-there beside NaN-propagating min/max). So an e5m2 tile is stored at the transposed addresses without tl.trans, and
-clamped with tl.where rather than min/max, the two workarounds reported for it. That path (COLS = 2) is unproven on a
-GPU: kernels/fp8_casts.py's first-use check runs it on every tile and, where it disagrees, makes the e5m2 transposes
-with torch's copy instead (COLS = 0, checked on an H100 on 2026-12-07).
+The transposed copies: an e4m3 tile goes through tl.trans in the cast that writes it. An e5m2 tile transposed inside
+the SwiGLU backward came out with a quarter of its bytes never written on an H100 (Triton of torch 2.11, dg8t and
+du8t at 1024 x 1024 and above; docs/precision.md), by tl.trans and also stored at the transposed addresses (the
+workaround reported for triton-lang issue 11111, a transposed 1-byte store mis-lowered), while the same stores in a
+kernel of one output agreed on every tile (2026-12-07). So the e5m2 operands are written row-major by the casts and
+transposed afterwards as bytes, by transpose_bytes: 0.05-0.09 ms per [16384, 8192] more than the cast, where torch's
+copy of a float8 tensor (an unvectorised elementwise kernel) took 1.0 ms. kernels/fp8_casts.py's first-use check
+runs it on every tile, and falls back to torch's copy where it disagrees.
 
-Each reads its operands once: the cast, the transposed copy and the amax come from one pass. That is what delayed
+Each reads its operands once: the cast, the e4m3 transposed copy and the amax come from one pass (an e5m2 copy is a
+second pass over the cast's bytes, a quarter of the operand's). That is what delayed
 scaling needs to pay: inductor ran every amax as a reduction kernel of its own, as slow as dynamic scaling's
 (docs/precision.md). The casts round as inductor's and torchao's do: fp32 product, clamp to the float8 range, one
 rounding.
@@ -29,19 +31,12 @@ from torch._inductor.runtime.triton_helpers import libdevice
 
 @triton.jit
 def _store_cast(v, scale, fmax, out_ptr, out_t_ptr, rm, rn, M, N, mask, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """ROWS: store the [M, N] cast; COLS: its [N, M] transposed copy, 1 by tl.trans (e4m3), 2 at the transposed
-    addresses (e5m2, the module docstring says why), 0 none."""
-    if COLS == 2:
-        f = v * scale
-        y = tl.where(f > fmax, fmax, tl.where(f < -fmax, -fmax, f)).to(out_ptr.dtype.element_ty)
-    else:
-        y = tl.minimum(tl.maximum(v * scale, -fmax), fmax).to(out_ptr.dtype.element_ty)
+    """ROWS: store the [M, N] cast; COLS: its [N, M] transposed copy (e4m3 only: the module docstring says why)."""
+    y = tl.minimum(tl.maximum(v * scale, -fmax), fmax).to(out_ptr.dtype.element_ty)
     if ROWS:
         tl.store(out_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], y, mask=mask)
-    if COLS == 1:  # transposed after the rounding: a quarter of the shared memory an fp32 tile would take
+    if COLS:  # transposed after the rounding: a quarter of the shared memory an fp32 tile would take
         tl.store(out_t_ptr + rn[:, None].to(tl.int64) * M + rm[None, :], tl.trans(y), mask=tl.trans(mask))
-    if COLS == 2:
-        tl.store(out_t_ptr + rn[None, :].to(tl.int64) * M + rm[:, None], y, mask=mask)
 
 
 @triton.jit
@@ -81,13 +76,13 @@ def swiglu_fwd(g_ptr, u_ptr, scale_ptr, amax_ptr, h_ptr, M, N, BM: tl.constexpr,
     u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     h = g / (libdevice.exp(-g) + 1.0) * u
     _amax(h, amax_ptr)
-    _store_cast(h, tl.load(scale_ptr), 448.0, h_ptr, h_ptr, rm, rn, M, N, mask, True, 0)
+    _store_cast(h, tl.load(scale_ptr), 448.0, h_ptr, h_ptr, rm, rn, M, N, mask, True, False)
 
 
 @triton.autotune(configs=TILES, key=["M", "N"])
 @triton.jit
 def swiglu_bwd(dh_ptr, g_ptr, u_ptr, h_scale_ptr, dg_scale_ptr, du_scale_ptr, dg_amax_ptr, du_amax_ptr, ht_ptr,
-               dg_ptr, dgt_ptr, du_ptr, dut_ptr, M, N, D_COLS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+               dg_ptr, du_ptr, M, N, BM: tl.constexpr, BN: tl.constexpr):
     rm, rn, mask, offs = _tile(M, N, BM, BN)
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -100,6 +95,14 @@ def swiglu_bwd(dh_ptr, g_ptr, u_ptr, h_scale_ptr, dg_scale_ptr, du_scale_ptr, dg
     _amax(d_gate, dg_amax_ptr)
     _amax(d_up, du_amax_ptr)
     # h = silu * u again, transposed, for down's weight gradient (recomputed rather than kept from the forward)
-    _store_cast(silu * u, tl.load(h_scale_ptr), 448.0, ht_ptr, ht_ptr, rm, rn, M, N, mask, False, 1)
-    _store_cast(d_gate, tl.load(dg_scale_ptr), 57344.0, dg_ptr, dgt_ptr, rm, rn, M, N, mask, True, D_COLS)
-    _store_cast(d_up, tl.load(du_scale_ptr), 57344.0, du_ptr, dut_ptr, rm, rn, M, N, mask, True, D_COLS)
+    _store_cast(silu * u, tl.load(h_scale_ptr), 448.0, ht_ptr, ht_ptr, rm, rn, M, N, mask, False, True)
+    _store_cast(d_gate, tl.load(dg_scale_ptr), 57344.0, dg_ptr, dg_ptr, rm, rn, M, N, mask, True, False)
+    _store_cast(d_up, tl.load(du_scale_ptr), 57344.0, du_ptr, du_ptr, rm, rn, M, N, mask, True, False)
+
+
+@triton.autotune(configs=TILES, key=["M", "N"])
+@triton.jit
+def transpose_bytes(src_ptr, dst_ptr, M, N, BM: tl.constexpr, BN: tl.constexpr):
+    rm, rn, mask, offs = _tile(M, N, BM, BN)
+    b = tl.load(src_ptr + offs, mask=mask, other=0)
+    tl.store(dst_ptr + rn[:, None].to(tl.int64) * M + rm[None, :], tl.trans(b), mask=tl.trans(mask))

@@ -48,7 +48,7 @@ def _raise(amax: torch.Tensor, slot: int, v: torch.Tensor) -> None:
 
 class Launch(NamedTuple):
     """How the Triton kernels run (the `kernel` argument of the ops here; False: the torch path)."""
-    e5_cols: bool  # the e5m2 transposed copies written by the kernels; else by torch's copy (fp8_cast_kernels.py)
+    e5_bytes: bool  # the e5m2 transposed copies by the byte-transpose kernel; else by torch's copy (fp8_cast_kernels.py)
     tile: Optional[tuple] = None  # (BM, BN, warps) of fp8_cast_kernels.TILE_SHAPES; None: autotuned
 
 
@@ -72,15 +72,27 @@ def cast(x: torch.Tensor, scales: torch.Tensor, amax: torch.Tensor, slot: int, d
     m, n = x.shape
     if kernel:
         out = torch.empty((m, n), dtype=dtype, device=x.device)
-        cols = 1 if dtype == E4 else 2 if kernel.e5_cols else 0  # fp8_cast_kernels._store_cast's COLS
+        cols = dtype == E4  # e5m2 is transposed afterwards: fp8_cast_kernels.py says why
         out_t = torch.empty((n, m), dtype=dtype, device=x.device) if cols else out
         _launch("cast", m, n, kernel, x, scales[slot:], amax[slot:], out, out_t, m, n, FMAX=torch.finfo(dtype).max,
                 COLS=cols)
-        return out, out_t if cols else out.t().contiguous()
+        return out, out_t if cols else _transposed(out, kernel)
     xf = x.float()
     _raise(amax, slot, xf)
     y = _f8(xf, scales[slot], dtype)
     return y, y.t().contiguous()
+
+
+def _transposed(y8: torch.Tensor, kernel: Launch) -> torch.Tensor:
+    """An e5m2 operand's transposed copy, contiguous: by the byte-transpose kernel where the first-use check chose it,
+    else by torch's copy (an unvectorised elementwise kernel for float8: 1.0 ms against 0.05-0.09 ms at [16384, 8192]
+    on an H100)."""
+    if not kernel.e5_bytes:
+        return y8.t().contiguous()
+    m, n = y8.shape
+    out = torch.empty((n, m), dtype=y8.dtype, device=y8.device)
+    _launch("transpose_bytes", m, n, kernel, y8.view(torch.uint8), out.view(torch.uint8), m, n)
+    return out
 
 
 def swiglu_fwd(g: torch.Tensor, u: torch.Tensor, scales: torch.Tensor, amax: torch.Tensor, kernel):
@@ -101,13 +113,9 @@ def swiglu_bwd(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, scales: torch
     if kernel:
         ht = torch.empty((n, m), dtype=E4, device=g.device)
         dg, du = (torch.empty((m, n), dtype=E5, device=g.device) for _ in range(2))
-        dgt, dut = ((torch.empty((n, m), dtype=E5, device=g.device) for _ in range(2)) if kernel.e5_cols
-                    else (dg, du))
         _launch("swiglu_bwd", m, n, kernel, dh, g, u, scales[H:], scales[D_GATE:], scales[D_UP:], amax[D_GATE:],
-                amax[D_UP:], ht, dg, dgt, du, dut, m, n, D_COLS=2 if kernel.e5_cols else 0)
-        if not kernel.e5_cols:
-            dgt, dut = dg.t().contiguous(), du.t().contiguous()
-        return ht, dg, dgt, du, dut
+                amax[D_UP:], ht, dg, du, m, n)
+        return ht, dg, _transposed(dg, kernel), du, _transposed(du, kernel)
     gf, uf, dhf = g.float(), u.float(), dh.float()
     e = torch.exp(-gf) + 1
     silu, sig = gf / e, 1 / e
@@ -138,19 +146,19 @@ def checked_outputs(x, g, u, dh, scales, amax, kernel) -> tuple:
 @functools.lru_cache(maxsize=None)
 def kernels_ok(device: torch.device):
     """How the Triton kernels run on `device` (a Launch), or False for the torch path: once per device, the kernels
-    against the torch path on every tile the autotuner may choose, first with the e5m2 transposed copies written by
-    the kernels, then, where those disagree, with torch's copy of them (fp8_cast_kernels.py says why)."""
+    against the torch path on every tile the autotuner may choose, first with the e5m2 transposed copies made by the
+    byte-transpose kernel, then, where those disagree, by torch's copy (fp8_cast_kernels.py says why)."""
     if device.type != "cuda" or importlib.util.find_spec("triton") is None:
         return False
-    for e5_cols in (True, False):
-        what = ("fp8.recipe=delayed: the Triton casts" +
-                (" with their e5m2 transposed copies" if e5_cols else ", their e5m2 transposes by torch's copy"))
-        if agrees(what, device, torch.bfloat16, functools.partial(_check_pairs, device, e5_cols)):
-            return Launch(e5_cols)
+    for e5_bytes in (True, False):
+        what = ("fp8.recipe=delayed: the Triton casts, their e5m2 transposes by " +
+                ("the byte-transpose kernel" if e5_bytes else "torch's copy"))
+        if agrees(what, device, torch.bfloat16, functools.partial(_check_pairs, device, e5_bytes)):
+            return Launch(e5_bytes)
     return False
 
 
-def _check_pairs(device: torch.device, e5_cols: bool):
+def _check_pairs(device: torch.device, e5_bytes: bool):
     """The first-use check's pairs, at a shape with partial tiles in both directions and large enough for every tile to
     run many programs (on an H100 the SwiGLU backward's e5m2 transposed copies came out a quarter wrong at 1024 x 1024
     and above while 200 x 136 agreed: docs/precision.md). The casts must agree exactly (the same fp32 product, clamp
@@ -171,7 +179,7 @@ def _check_pairs(device: torch.device, e5_cols: bool):
     ref, ref_amax = run(False)
     kept = []  # every tile's outputs stay allocated: a later tile's unwritten bytes must not find an earlier one's
     for tile in _kernels().TILE_SHAPES:
-        got, got_amax = run(Launch(e5_cols, tile))
+        got, got_amax = run(Launch(e5_bytes, tile))
         kept.append(got)
         yield from ((f"{name} {tile}", a, b, 0.0 if name in exact else 1e-2) for name, a, b in zip(names, got, ref))
         yield f"amax {tile}", got_amax, ref_amax, 1e-5

@@ -24,8 +24,8 @@ Why: precision=fp8's speed rests on how the amax / scale / cast kernels around e
   this variant runs as fast as the static one, where not as slow as `fp8_mlp` (torchtitan's PR 698 found the latter).
 - `fp8_mlp_fused`: fp8.recipe=delayed's MLP (ds_ulysses_ext/kernels/fp8_delayed.py) with the static scales: our
   Triton casts, each taking its amax in the same pass as the cast and its transposed copy (no torch.compile), run as
-  the first-use check chose (kernels/fp8_casts.py kernels_ok: the e5m2 transposed copies by the kernels where they
-  agreed there);
+  the first-use check chose (kernels/fp8_casts.py kernels_ok: the e5m2 transposed copies by the byte-transpose kernel
+  where it agreed there);
 - `fp8_mlp_fused_torch_t`: the same with the e5m2 transposes by torch's copy (the check's fallback), what they cost.
 Each JSON line: variant, recipe, tokens, median ms of forward + backward (input and weight gradients), peak memory of
 the timed steps, the ratio to `bf16`, the forward output's relative distance from bf16's, and whether the
@@ -152,7 +152,7 @@ def variant(base: torch.nn.Module, name: str, recipe: str, x: torch.Tensor, g: t
         m.scales = static_scales(base, x, g)  # in the Function's slot order (kernels/fp8_casts.py SLOTS)
         state = DelayedScales(["mlp"], 1, x.device)
         state.set_scales(0, torch.stack([v.float().reshape(()) for v in m.scales.values()]))
-        bind_delayed_mlp(m, state, 0, Launch(e5_cols=False) if name == "fp8_mlp_fused_torch_t" else None)
+        bind_delayed_mlp(m, state, 0, Launch(e5_bytes=False) if name == "fp8_mlp_fused_torch_t" else None)
         m.amax_record = dict(zip(m.scales, state.amax[0].unbind()))
         return m
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
