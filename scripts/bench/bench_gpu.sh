@@ -127,7 +127,8 @@
 #   fp8_equal    precision=fp8 at the FP8 anchor's checkpointed memory: ours (zero0, bf16 master weights, Liger, no clipping,
 #                the step in backward, memory.offload_activations=true) in bf16 and in fp8 ($FP8_RECIPE, default tensorwise)
 #                at $FP8_EQ_POINTS (default 16k and 32k, except_attention_offload; $MODEL, $EXTRA as for fp8_short), then
-#                model_bench.py --liger --fp8 with its gradient checkpointing at the same lengths ($ANCHOR_SHAPE, e.g.
+#                model_bench.py --liger --fp8 $FP8_ANCHOR_RECIPE (default $FP8_RECIPE; torchao has no delayed recipe: with
+#                FP8_RECIPE=delayed name tensorwise) with its gradient checkpointing at the same lengths ($ANCHOR_SHAPE, e.g.
 #                "--attn fa4"); $OUT/fp8_equal.jsonl
 #   fp8_tune     whether inductor's coordinate-descent tuning of its Triton block sizes speeds FP8's casts (the 8B
 #                profile: the casts 29.6 ms of the step, the largest at about 75% of their bytes' bandwidth, the weights'
@@ -363,14 +364,15 @@ for name, a in zip(('liger', 'control'), runs):
     fp8_equal) pts=${FP8_EQ_POINTS:-16384:except_attention_offload,32768:except_attention_offload}; M=${MODEL:-llama3_2_1b}
                C="deepspeed.master_weights=bf16 model.kernels=liger trainer.grad_clip=0 trainer.optimizer_in_backward=true"
                C="$C memory.offload_activations=true"
-               for p in bf16 fp8; do
+               for p in bf16 fp8; do  # fp8.* only on the fp8 rows: a bf16 run refuses a non-default recipe
                  python3 scripts/bench/bench_train.py --model $M --points $pts --steps 5 --no-phase-times --deepspeed zero0 \
-                   --precision $p $C fp8.recipe=${FP8_RECIPE:-tensorwise} ${EXTRA:-} | grep RESULT | cut -c1-1200 \
-                   | tee -a "$OUT/fp8_equal.jsonl"
+                   --precision $p $C ${EXTRA:-} $([ $p = fp8 ] && echo fp8.recipe=${FP8_RECIPE:-tensorwise}) \
+                   | grep RESULT | cut -c1-1200 | tee -a "$OUT/fp8_equal.jsonl"
                done
                for p in ${pts//,/ }; do  # checkpointed: the anchor's memory, which ours must not exceed
-                 python3 .bench/anchor-bench/model_bench.py --seq ${p%%:*} --variant hf --liger --fp8 ${FP8_RECIPE:-tensorwise} \
-                   --warmup 1 --reps 3 ${ANCHOR_SHAPE:-} 2>&1 | grep -E "RESULT|Error" | tail -2 | tee -a "$OUT/fp8_equal.jsonl"
+                 python3 .bench/anchor-bench/model_bench.py --seq ${p%%:*} --variant hf --liger \
+                   --fp8 ${FP8_ANCHOR_RECIPE:-${FP8_RECIPE:-tensorwise}} --warmup 1 --reps 3 ${ANCHOR_SHAPE:-} 2>&1 \
+                   | grep -E "RESULT|Error" | tail -2 | tee -a "$OUT/fp8_equal.jsonl"
                done ;;
     fp8_tune) for t in 0 1; do for m in llama3_1_8b_shape llama3_2_1b; do
                 TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=$t python3 scripts/bench/bench_fp8_mlp.py --model $m \
