@@ -27,7 +27,9 @@ HYDRA_CONF_DIR = Path(__file__).resolve().parent.parent / "hydra_conf"
 def to_dataclass(dict_cfg: Any, schema: type = TrainConfig):
     """Merge onto the schema (keys and types checked), resolve interpolations, return the typed tree."""
     check_known_keys(dict_cfg, schema)
-    merged = OmegaConf.merge(OmegaConf.structured(schema), dict_cfg)
+    tree = OmegaConf.to_container(dict_cfg, resolve=False) if isinstance(dict_cfg, DictConfig) else dict_cfg
+    _words_for_str_fields(tree, schema)
+    merged = OmegaConf.merge(OmegaConf.structured(schema), tree)
     return OmegaConf.to_object(merged)
 
 
@@ -78,6 +80,19 @@ def _walk(tree: dict, schema: type, prefix: str) -> None:
         child = _dataclass_in(fields[key])
         if child is not None and isinstance(value, dict):
             _walk(value, child, f"{prefix}{key}.")
+
+
+def _words_for_str_fields(tree: dict, schema: type) -> None:
+    """Hydra's grammar reads `false` and `true` as booleans, and the typed schema then stores one in a str field as
+    Python's "False" / "True": `fp8.compile=false` was refused as "fp8.compile=False is not one of {..., false}". A
+    str field gets the word back as typed (lower case: no choice of ours is capitalised)."""
+    fields = typing.get_type_hints(schema)
+    for key, value in tree.items():
+        child = _dataclass_in(fields.get(key))
+        if child is not None and isinstance(value, dict):
+            _words_for_str_fields(value, child)
+        elif fields.get(key) is str and (isinstance(value, bool) or value in ("True", "False")):
+            tree[key] = str(value).lower()
 
 
 def _dataclass_in(hint) -> type | None:

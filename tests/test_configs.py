@@ -119,6 +119,14 @@ def test_hydra_overrides_reach_the_dataclass():
     assert (plan.dp, plan.grad_accum, plan.seq_len) == (2, 4, 1000)
 
 
+def test_a_word_choice_spelt_like_a_boolean_reaches_its_str_field_as_typed():
+    """Hydra reads `fp8.compile=false` as a boolean and the typed schema stored it as "False", which the check of
+    fp8.compile's choices then refused; a bool field still takes the boolean."""
+    cfg = compose_config(["precision=fp8", "fp8.compile=false", "fp8.emulate_on_cpu=true", "device=cpu"])
+    assert cfg.fp8.compile == "false" and cfg.fp8.emulate_on_cpu is True
+    validate(cfg, world_size=2)
+
+
 def test_seq_len_not_divisible_by_cp_is_allowed():
     # It gets right-padded up to a multiple of cp by the batch sharding; nothing to refuse here.
     plan = validate(compose_config(["parallelism.cp=4", "data.seq_len=1001"]), world_size=4)

@@ -42,6 +42,22 @@ def test_the_matrix_runs_its_cells_on_cpu(tmp_path):
     assert in_bwd["ratio"] < 0.1  # its fp32 gradients, read off the step, are far nearer fp32 than eager bf16's
 
 
+def test_the_fp8_cells_run_against_fp8s_own_eager_bound_on_cpu(tmp_path):
+    """--fp8's cells on CPU (torch's float8 matmul; the delayed recipe on its torch path): each builds, none is
+    refused, and each is judged against torchao's tensorwise recipe run eagerly on the same linears, within BOUND.
+    With the SwiGLU backward's transposed gradients swapped (dg's for du's) every delayed cell failed at 14-19x."""
+    out = tmp_path / "m.jsonl"
+    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_PORT="29733")
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench" / "gpu_matrix.py"), "--device", "cpu",
+                        "--quick", "--fp8", "--only", "fp8", "--families", "llama_d64", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert {r["cell"] for r in rows} == set(gpu_matrix.FP8_CELLS)
+    assert all(r["ok"] and not r.get("refused") and "FP8 eager" in r["compared_with"] for r in rows), rows
+    assert all(r["ratio"] <= gpu_matrix.BOUND for r in rows)
+
+
 def test_the_verdict_fails_a_gradient_twice_as_far_as_eager():
     g = torch.Generator().manual_seed(0)
     ref = {"a": torch.randn(100, generator=g), "b": torch.randn(100, generator=g)}
@@ -68,7 +84,7 @@ def test_a_killed_process_is_named_with_the_command_that_runs_its_families_alone
 
     monkeypatch.setattr(gpu_matrix.subprocess, "Popen", Killed)
     monkeypatch.setattr(sys, "argv", ["gpu_matrix.py", "--quick", "--jobs", "2"])
-    args = SimpleNamespace(families="llama_d64,deepseek_v3_mla", quick=True, fa4=False, fla=False, only="",
+    args = SimpleNamespace(families="llama_d64,deepseek_v3_mla", quick=True, fa4=False, fla=False, fp8=False, only="",
                            resume=False, skip_from="", out=str(tmp_path / "m.jsonl"), jobs=2)
     assert gpu_matrix.fan_out(args) == 1
     out = capsys.readouterr().out
@@ -88,7 +104,8 @@ def test_resume_runs_again_the_cells_that_found_the_gpu_full(tmp_path):
                  error="RuntimeError: CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")]
     out.write_text("".join(json.dumps(r) + "\n" for r in rows))
     args = SimpleNamespace(only="kernels=liger,kernels=compile,memory=tiled,memory=selective", skip_from="",
-                           out=str(out), resume=True, reinstate_contiguity_bug=False, quick=True, fa4=False, fla=False)
+                           out=str(out), resume=True, reinstate_contiguity_bug=False, quick=True, fa4=False, fla=False,
+                           fp8=False)
     todo = {c[1] for c in gpu_matrix.todo_cells(args, ["llama_d64"])}
     # --only matches substrings: "kernels=liger zero3" and "memory=selective_tiled" have no row yet
     assert todo == {"memory=tiled", "memory=selective", "kernels=liger zero3", "memory=selective_tiled"}

@@ -11,10 +11,16 @@ batch of SEQ tokens with some labels masked (and, for `packed` cells, documents 
     reference  precision=fp32, model.kernels=none, memory=none, deepspeed=zero0: the unsplit model, eager, fp32
     eager      precision=bf16, model.kernels=none, memory=none, deepspeed=zero0: the plain bf16 path
     cell       precision=bf16 and the cell's kernels / memory preset / deepspeed / options
+    fp8 eager  precision=fp8, fp8.recipe=tensorwise, fp8.compile=false, model.kernels=none, memory=none (--fp8 cells)
+    fp8 cell   precision=fp8 and the cell's recipe / linears / memory preset / packing (--fp8)
 
 A cell passes when its loss and every parameter's gradient are no further from the reference (relative, in the norm)
 than BOUND x the eager path's own error on the same parameter, or FLOOR where the eager error is below it (docs/design.md
-§3.1). `optimizer_in_backward` frees the gradients it steps with, so that cell reads them off its step: in fp32 with
+§3.1). FP8 is not exact, so an FP8 cell's eager path is FP8's own: torchao's tensorwise recipe run eagerly, on the
+same linears, is FP8's bound; a fast FP8 path (fp8.recipe=delayed's Triton casts, the compiled casts) may be at most
+BOUND x as far from fp32 as that on every parameter. Delayed scaling's first step takes each operand's own amax, as
+tensorwise does, so at the matrix's one step the two differ by rounding only, and a wrong kernel output (the e5m2
+transposes of 2026-12-07) lands far outside. `optimizer_in_backward` frees the gradients it steps with, so that cell reads them off its step: in fp32 with
 AdamW's lr = eps = STEP_SCALE (constant schedule), the first update is -g * lr / (|g| + eps), which is -g to within
 |g| / eps, and -update is judged as the gradients like any cell. (Comparing two bf16 updates at a small eps, as
 before 2026-12-04, judged Adam's sign-like first step: rounding flips the sign of gradients that are zero in exact
@@ -102,6 +108,19 @@ FAMILIES = {
 # the hybrids: their linear layers' delta rule through fla's chunked kernels (model.linear_attn_kernel=fla, after
 # .flaw's fla-core is installed: --fla) as well as through the torch path every other cell runs
 HYBRID = ("qwen3_5_moe", "qwen3_5_dense")
+# FP8 cells (--fp8): the dense families, whose MLPs fp8.recipe=delayed takes (gated SiLU, no biases). The MoE families'
+# layers are all sparse here, and their experts stay bf16: precision=fp8 refuses them with fp8.linears=mlp, and the
+# delayed recipe refuses them for want of an MLP it takes
+FP8_FAMILIES = ("llama_d64", "llama_d128", "qwen3_d128")
+FP8_EAGER = ["precision=fp8", "fp8.recipe=tensorwise", "fp8.compile=false", "model.kernels=none", "memory=none"]
+FP8_CELLS = {  # name: overrides (each with precision=fp8 and model.kernels=liger), packed
+    "fp8 tensorwise": (["fp8.recipe=tensorwise"], False),
+    "fp8 delayed": (["fp8.recipe=delayed"], False),
+    "fp8 delayed all": (["fp8.recipe=delayed", "fp8.linears=all"], False),
+    "fp8 delayed packed": (["fp8.recipe=delayed"], True),
+    "fp8 delayed memory=selective": (["fp8.recipe=delayed", "memory=selective"], False),
+    "fp8 delayed memory=full_recompute": (["fp8.recipe=delayed", "memory=full_recompute"], False),
+}
 # FlashAttention-4 cells (--fa4, after the FA4 wheels are installed): head dims it takes, windows and sinks among them
 FA4_FAMILIES = ("llama_d64", "llama_d128", "qwen3_moe", "gpt_oss", "cohere2_moe")
 QUICK = {  # --quick (CPU): the harness on tiny shapes
@@ -115,7 +134,7 @@ MEMORY = ("selective", "selective_tiled", "tiled", "except_attention", "except_a
 WHOLE_LAYERS = ("except_attention_tiled", "selective_block")  # presets that recompute memory.recompute_num_layers=4
 
 
-def cells(families, quick: bool, fa4: bool = False, fla: bool = False):
+def cells(families, quick: bool, fa4: bool = False, fla: bool = False, fp8: bool = False):
     """(family, name, overrides, packed) of every cell."""
     out = []
     for fam in families:
@@ -147,6 +166,10 @@ def cells(families, quick: bool, fa4: bool = False, fla: bool = False):
     for fam in [f for f in ("llama_d64", "qwen3_moe", "gpt_oss") if f in families]:
         out.append((fam, "optimizer_in_backward", ["trainer.optimizer_in_backward=true"], False))
         out.append((fam, "packed except_attention_offload", ["memory=except_attention_offload"], True))
+    if fp8:
+        for fam in [f for f in FP8_FAMILIES if f in families]:
+            for name, (over, packed) in FP8_CELLS.items():
+                out.append((fam, name, ["precision=fp8", "model.kernels=liger", *over], packed))
     return out
 
 
@@ -154,8 +177,10 @@ def compose(fam_spec, precision: str, overrides, device: str):
     from configs import compose_config
     preset, arch = fam_spec
     over = [f"model={preset}", f"precision={precision}", f"device={device}", f"data.seq_len={SEQ}"] + COMMON
-    if precision == "bf16":
+    if precision == "bf16":  # an FP8 cell's too: it names precision=fp8 among its overrides
         over += ["deepspeed.master_weights=bf16"]
+    if device == "cpu" and "precision=fp8" in overrides:  # torch's CPU float8 matmul: the harness's own test
+        over += ["fp8.emulate_on_cpu=true"]
     if not any(o.startswith("deepspeed=") for o in overrides):
         over.append("deepspeed=zero0")
     over += [f"model.arch.{k}={json.dumps(v)}" for k, v in arch.items()]
@@ -313,7 +338,7 @@ def todo_cells(args, families) -> list:
             row = json.loads(line)
             if bool(row.get("self_check")) == args.reinstate_contiguity_bug and not out_of_memory(row):
                 done.add((row["family"], row["cell"]))
-    return [c for c in cells(families, args.quick, args.fa4, args.fla)
+    return [c for c in cells(families, args.quick, args.fa4, args.fla, args.fp8)
             if (not only or any(s in c[1] for s in only)) and (c[0], c[1]) not in done]
 
 
@@ -371,6 +396,7 @@ def main() -> int:
     ap.add_argument("--reinstate-contiguity-bug", action="store_true")
     ap.add_argument("--fa4", action="store_true", help="add the FlashAttention-4 cells (the FA4 wheels installed)")
     ap.add_argument("--fla", action="store_true", help="add the hybrids' fla cells (fla-core installed)")
+    ap.add_argument("--fp8", action="store_true", help="add the FP8 cells (torchao installed; an SM89+ GPU)")
     ap.add_argument("--seq", type=int, default=None, help="tokens per batch (default 4096; --quick 64)")
     ap.add_argument("--out", default=str(ROOT / "outputs" / "gpu_matrix.jsonl"))
     ap.add_argument("--resume", action="store_true",
@@ -428,6 +454,14 @@ def main() -> int:
                     eager = run_cell(compose(specs[fam], "bf16", plain, args.device), data, rt.device)[:2]
                     refs[key] = (data, ref, eager)
                 data, ref, eager = refs[key]
+                fp8 = "precision=fp8" in overrides
+                if fp8:  # FP8's own bound: torchao tensorwise, eager, on the cell's linears, once per family and batch
+                    linears = [o for o in overrides if o.startswith("fp8.linears=")]
+                    if key + (*linears, "fp8") not in refs:
+                        refs[key + (*linears, "fp8")] = run_cell(
+                            compose(specs[fam], "bf16", FP8_EAGER + linears, args.device), data, rt.device)[:2]
+                    eager = refs[key + (*linears, "fp8")]
+                    row["compared_with"] = "FP8 eager: torchao tensorwise, uncompiled, on the same linears"
                 cfg = compose(specs[fam], "bf16", overrides, args.device)
                 if cfg.trainer.optimizer_in_backward:
                     scale = [f"trainer.lr={STEP_SCALE}", f"trainer.adam_eps={STEP_SCALE}", "trainer.lr_decay=constant"]
