@@ -48,12 +48,13 @@ def _raise(amax: torch.Tensor, slot: int, v: torch.Tensor) -> None:
 
 class Launch(NamedTuple):
     """How the Triton kernels run (the `kernel` argument of the ops here; False: the torch path)."""
-    e5_bytes: bool  # the e5m2 transposed copies by the byte-transpose kernel; else by torch's copy (fp8_cast_kernels.py)
+    e5_bytes: bool  # e5m2 transposed copies by the byte-transpose kernel, else by torch's copy (fp8_cast_kernels.py)
     tile: Optional[tuple] = None  # (BM, BN, warps) of fp8_cast_kernels.TILE_SHAPES; None: autotuned
 
 
 def _launch(name: str, m: int, n: int, kernel: Launch, *args, **consts):
-    """Kernel `name` over an [m, n] operand: autotuned, or on the tile `kernel` names (the first-use check runs each)."""
+    """Kernel `name` over an [m, n] operand: autotuned, or on the tile `kernel` names (the first-use check runs
+    each)."""
     from triton import cdiv
     tuned = getattr(_kernels(), name)
     if kernel.tile is None:

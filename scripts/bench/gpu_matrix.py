@@ -20,9 +20,11 @@ than BOUND x the eager path's own error on the same parameter, or FLOOR where th
 same linears, is FP8's bound; a fast FP8 path (fp8.recipe=delayed's Triton casts, the compiled casts) may be at most
 BOUND x as far from fp32 as that on every parameter. Delayed scaling's first step takes each operand's own amax, as
 tensorwise does, so at the matrix's one step the two differ by rounding only, and a wrong kernel output (the e5m2
-transposes of 2026-12-07) lands far outside. `optimizer_in_backward` frees the gradients it steps with, so that cell reads them off its step: in fp32 with
-AdamW's lr = eps = STEP_SCALE (constant schedule), the first update is -g * lr / (|g| + eps), which is -g to within
-|g| / eps, and -update is judged as the gradients like any cell. (Comparing two bf16 updates at a small eps, as
+transposes of 2026-12-07) lands far outside.
+
+`optimizer_in_backward` frees the gradients it steps with, so that cell reads them off its step: in fp32 with AdamW's
+lr = eps = STEP_SCALE (constant schedule), the first update is -g * lr / (|g| + eps), which is -g to within |g| / eps,
+and -update is judged as the gradients like any cell. (Comparing two bf16 updates at a small eps, as
 before 2026-12-04, judged Adam's sign-like first step: rounding flips the sign of gradients that are zero in exact
 arithmetic, such as k_proj.bias's under softmax's shift invariance, and two of those cells failed on noise.) The
 table (docs/gpu_matrix.md) gives each cell's worst ratio and the parameter it sits in.
