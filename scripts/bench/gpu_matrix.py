@@ -295,7 +295,8 @@ def table(paths) -> str:
         for line in Path(path).read_text().splitlines():
             r = json.loads(line)
             cells_seen[(r["family"], r["cell"])] = r
-    out = ["| family | cell | verdict | worst error (relative) | eager bf16's there | ratio | where |", "|---|---|---|---|---|---|---|"]
+    out = ["| family | cell | verdict | worst error (relative) | eager's there (bf16; FP8's for fp8 cells) | ratio | where |",
+           "|---|---|---|---|---|---|---|"]
     for (fam, cell), r in cells_seen.items():
         if first_use_refusal(r.get("error", "")):
             out.append(f"| {fam} | {cell} | refused at first use | | | | {r['error'][:110]} |")
