@@ -72,8 +72,10 @@ def _inputs(seed=1):
 def test_delayed_mlp_matches_a_float8_reference():
     # fixed scales below every operand's range (no clamping) and one that clamps x: the Function's outputs and four
     # gradients against the reference's. Differences are the GEMMs' fp32 summation order, which can move a bf16 g or
-    # u across a rounding boundary and then its float8 h: measured 6e-5 at most, bound 1e-3. Swapping two gradients'
-    # scales, or a weight, gives 3e-2 or more
+    # u across a rounding boundary and then its float8 h. Usually 6e-5 at most; but the CPU's float8 GEMM does not
+    # sum in one fixed order from process to process, and a run where one h element crosses an e4m3 boundary (an
+    # eighth of its value) gives y 1.06e-3 (seen in 3 of 25 and 3 of 137 runs). Bound 5e-3: room for a few such
+    # crossings. Swapping two gradients' scales, or a weight, gives 3e-2 or more
     mlp = _mlp()
     x, dy = _inputs()
     state = DelayedScales(["mlp"], 4, torch.device("cpu"))
@@ -87,9 +89,9 @@ def test_delayed_mlp_matches_a_float8_reference():
         bind_delayed_mlp(mlp, state, 0)
         y, grads = _run(mlp, x, dy)
         del mlp.forward
-        assert _rel(y, want_y) < 1e-3, (clamp_x, _rel(y, want_y))
+        assert _rel(y, want_y) < 5e-3, (clamp_x, _rel(y, want_y))
         for name, got, want in zip(("dx", "dW_gate", "dW_up", "dW_down"), grads, want_grads):
-            assert _rel(got, want) < 1e-3, (clamp_x, name, _rel(got, want))
+            assert _rel(got, want) < 5e-3, (clamp_x, name, _rel(got, want))
 
 
 def test_delayed_linears_match_a_float8_reference():
