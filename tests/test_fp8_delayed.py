@@ -72,8 +72,8 @@ def _inputs(seed=1):
 def test_delayed_mlp_matches_a_float8_reference():
     # fixed scales below every operand's range (no clamping) and one that clamps x: the Function's outputs and four
     # gradients against the reference's. Differences are the GEMMs' fp32 summation order, which can move a bf16 g or
-    # u across a rounding boundary and then its float8 h. Usually 6e-5 at most; but the CPU's float8 GEMM does not
-    # sum in one fixed order from process to process, and a run where one h element crosses an e4m3 boundary (an
+    # u across a rounding boundary and then its float8 h. Usually 6e-5 at most; but the CPU GEMMs do not sum in one
+    # fixed order from process to process, and a run where one h element crosses an e4m3 boundary (an
     # eighth of its value) gives y 1.06e-3 (seen in 3 of 25 and 3 of 137 runs). Bound 5e-3: room for a few such
     # crossings. Swapping two gradients' scales, or a weight, gives 3e-2 or more
     mlp = _mlp()
