@@ -457,13 +457,13 @@ def main() -> int:
                     eager = run_cell(compose(specs[fam], "bf16", plain, args.device), data, rt.device)[:2]
                     refs[key] = (data, ref, eager)
                 data, ref, eager = refs[key]
-                fp8 = "precision=fp8" in overrides
-                if fp8:  # FP8's own bound: torchao tensorwise, eager, on the cell's linears, once per family and batch
+                if "precision=fp8" in overrides:  # FP8's own bound: torchao tensorwise, eager, on the cell's linears
                     linears = [o for o in overrides if o.startswith("fp8.linears=")]
-                    if key + (*linears, "fp8") not in refs:
-                        refs[key + (*linears, "fp8")] = run_cell(
-                            compose(specs[fam], "bf16", FP8_EAGER + linears, args.device), data, rt.device)[:2]
-                    eager = refs[key + (*linears, "fp8")]
+                    fp8_key = key + (*linears, "fp8")  # once per family, batch and fp8.linears
+                    if fp8_key not in refs:
+                        refs[fp8_key] = run_cell(compose(specs[fam], "bf16", FP8_EAGER + linears, args.device), data,
+                                                 rt.device)[:2]
+                    eager = refs[fp8_key]
                     row["compared_with"] = "FP8 eager: torchao tensorwise, uncompiled, on the same linears"
                 cfg = compose(specs[fam], "bf16", overrides, args.device)
                 if cfg.trainer.optimizer_in_backward:
