@@ -230,25 +230,26 @@ def test_the_state_round_trips_and_refuses_another_model():
         DelayedScales(["mlp"] * 3, 4, torch.device("cpu")).load_state_dict(state.state_dict())
 
 
-def test_first_use_check_falls_back_from_the_byte_transpose_to_torchs_copy_then_to_the_torch_path(monkeypatch):
+def test_first_use_check_tries_each_way_of_making_the_e5m2_transposes_then_the_torch_path(monkeypatch):
     """kernels_ok's order on a GPU (the verdicts stubbed, the kernels themselves run only there:
-    tests/test_gpu_fp8_delayed.py): the e5m2 transposed copies by the byte-transpose kernel where they agree with the
-    torch path, else torch's copy of them (the way checked on an H100), else the torch path altogether."""
+    tests/test_gpu_fp8_delayed.py): the e5m2 transposed copies in the casting kernels where they agree with the torch
+    path, else by the byte-transpose kernel, else torch's copy of them, else the torch path altogether."""
     from ds_ulysses_ext.kernels import fp8_casts
     from ds_ulysses_ext.kernels.fp8_casts import Launch
     verdict, asked = {}, []
 
     def agrees(what, device, dtype, pairs):
-        asked.append(pairs.args[1])  # the e5_bytes the pairs were made for
+        asked.append(pairs.args[1])  # the way the pairs were made for
         return verdict[pairs.args[1]]
     monkeypatch.setattr(fp8_casts, "agrees", agrees)
     monkeypatch.setattr(fp8_casts.importlib.util, "find_spec", lambda name: object())  # triton "installed"
     dev = torch.device("cuda", 0)
     try:
-        for bytes_ok, torch_ok, want, order in ((True, True, Launch(True), [True]),
-                                                (False, True, Launch(False), [True, False]),
-                                                (False, False, False, [True, False])):
-            verdict.update({True: bytes_ok, False: torch_ok})
+        for ok, want, order in (({"bits"}, Launch("bits"), ["bits"]),
+                                ({"bytes", "torch"}, Launch("bytes"), ["bits", "bytes"]),
+                                ({"torch"}, Launch("torch"), ["bits", "bytes", "torch"]),
+                                (set(), False, ["bits", "bytes", "torch"])):
+            verdict.update({way: way in ok for way in ("bits", "bytes", "torch")})
             asked.clear()
             fp8_casts.kernels_ok.cache_clear()
             assert fp8_casts.kernels_ok(dev) == want and asked == order, (verdict, asked)

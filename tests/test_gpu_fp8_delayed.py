@@ -43,19 +43,19 @@ def test_delayed_mlp_kernels_against_its_torch_path(own_amax):
 
 
 @pytest.mark.parametrize("shape", [(4096, 8192), (4144, 2048)])
-@pytest.mark.parametrize("e5_bytes", ["chosen", False])
-def test_each_cast_kernel_output_on_every_tile_at_a_training_size(shape, e5_bytes):
+@pytest.mark.parametrize("e5", ["chosen", "bits", "bytes", "torch"])
+def test_each_cast_kernel_output_on_every_tile_at_a_training_size(shape, e5):
     """Each kernel output against the torch path's, on every tile of the autotuner's list, at sizes a step runs
     (the first build's SwiGLU backward wrote its transposed e5m2 copies a quarter wrong at 4096 x 8192 and passed at
     200 x 136): the casts exactly, the SiLU products within a float8 step in at most 1e-5 of the elements. Both for
-    the way the first-use check chose to make the e5m2 transposes (`chosen`: the byte-transpose kernel where it agreed
-    there) and for its fallback, torch's copy of them."""
+    the way the first-use check chose to make the e5m2 transposes (`chosen`) and for each way of E5_WAYS by name
+    (`bits` fails where the check falls back from it; the later ones are the fallbacks)."""
     from ds_ulysses_ext.kernels import fp8_cast_kernels
     from ds_ulysses_ext.kernels.fp8_casts import CHECKED_OUTPUTS, SILU_OUTPUTS, Launch, checked_outputs, kernels_ok
     dev = torch.device("cuda", torch.cuda.current_device())
-    if e5_bytes == "chosen":
+    if e5 == "chosen":
         assert kernels_ok(dev)
-        e5_bytes = kernels_ok(dev).e5_bytes
+        e5 = kernels_ok(dev).e5
     gen = torch.Generator(device=dev).manual_seed(0)
     m, n = shape
     x, g, u = (torch.randn(m, n, device=dev, generator=gen).bfloat16() for _ in range(3))
@@ -68,10 +68,10 @@ def test_each_cast_kernel_output_on_every_tile_at_a_training_size(shape, e5_byte
     ref, ref_amax = run(False)
     kept = []  # no tile's unwritten bytes may find an earlier tile's right ones
     for tile in fp8_cast_kernels.TILE_SHAPES:
-        got, got_amax = run(Launch(e5_bytes, tile))
+        got, got_amax = run(Launch(e5, tile))
         kept.append(got)
         for name, a, b in zip(CHECKED_OUTPUTS, got, ref):
             differ = int((a.view(torch.uint8) != b.view(torch.uint8)).sum())
             allowed = a.numel() // 100_000 if name.startswith(SILU_OUTPUTS) else 0
-            assert differ <= allowed, (tile, e5_bytes, name, differ, a.numel())
+            assert differ <= allowed, (tile, e5, name, differ, a.numel())
         assert _rel(got_amax, ref_amax) < 1e-5, (tile, got_amax, ref_amax)

@@ -3,23 +3,27 @@
 Legend: an operand [M, N] row-major bf16; T tokens, I the MLP's intermediate size; a suffix 8 is float8, `t` the
 transposed copy made contiguous ([N, M]). scale and amax: pointers to one fp32 each (a slot of the MLP's [8]).
 
-    cast:        x [M, N]                  ->  x8 [M, N], and x8t [N, M] where COLS (e4m3);  amax raised to max|x|
+    cast:        x [M, N]                  ->  x8 [M, N], and x8t [N, M] where COLS;  amax raised to max|x|
     swiglu_fwd:  g, u [T, I]               ->  h8 [T, I], h = silu(g) * u;    amax raised to max|h|
     swiglu_bwd:  dh, g, u [T, I]           ->  h8t [I, T] (h again, for down's weight gradient),
-                                               dg8, du8 [T, I] (e5m2);  amax raised for dg, du
+                                               dg8, du8 [T, I] (e5m2), and dg8t, du8t [I, T] where BITS;
+                                               amax raised for dg, du
     transpose_bytes: a [M, N] 1-byte       ->  its [N, M] copy (the e5m2 operands' transposed copies)
 
-The transposed copies: an e4m3 tile goes through tl.trans in the cast that writes it. An e5m2 tile transposed inside
-the SwiGLU backward came out with a quarter of its bytes never written on an H100 (Triton of torch 2.11, dg8t and
-du8t at 1024 x 1024 and above; docs/precision.md), by tl.trans and also stored at the transposed addresses (the
-workaround reported for triton-lang issue 11111, a transposed 1-byte store mis-lowered), while the same stores in a
-kernel of one output agreed on every tile (2026-12-07). So the e5m2 operands are written row-major by the casts and
-transposed afterwards as bytes, by transpose_bytes: 0.05-0.09 ms per [16384, 8192] more than the cast, where torch's
-copy of a float8 tensor (an unvectorised elementwise kernel) took 1.0 ms. kernels/fp8_casts.py's first-use check
-runs it on every tile, and falls back to torch's copy where it disagrees.
+The transposed copies: an e4m3 tile goes through tl.trans in the cast that writes it. An e5m2 tile converted by
+Triton's float8 conversion and transposed inside the SwiGLU backward came out with a quarter of its bytes never
+written on an H100 (Triton of torch 2.11, dg8t and du8t at 1024 x 1024 and above; docs/precision.md), by tl.trans and
+also stored at the transposed addresses (the workaround reported for triton-lang issue 11111, a transposed 1-byte store
+mis-lowered), while the same stores in a kernel of one output agreed on every tile (2026-12-07). Two ways around it,
+tried in this order by kernels/fp8_casts.py's first-use check on every tile:
+- BITS: the e5m2 byte formed by integer arithmetic (_e5m2_bits, no float8 conversion) and stored through a uint8 view
+  of the transposed copy, in the kernel that casts;
+- transpose_bytes: the e5m2 operand written row-major by the cast and copied transposed as bytes afterwards, a second
+  pass over a quarter of the operand's bytes (0.05-0.09 ms per [16384, 8192] more than the cast, where torch's copy of
+  a float8 tensor, an unvectorised elementwise kernel, took 1.0 ms).
 
-Each reads its operands once: the cast, the e4m3 transposed copy and the amax come from one pass (an e5m2 copy is a
-second pass over the cast's bytes, a quarter of the operand's). That is what delayed
+Each reads its operands once: the cast, the e4m3 transposed copy and the amax come from one pass (an e5m2 copy by transpose_bytes is
+a second pass over the cast's bytes, a quarter of the operand's). That is what delayed
 scaling needs to pay: inductor ran every amax as a reduction kernel of its own, as slow as dynamic scaling's
 (docs/precision.md). The casts round as inductor's and torchao's do: fp32 product, clamp to the float8 range, one
 rounding.
@@ -30,12 +34,28 @@ from torch._inductor.runtime.triton_helpers import libdevice
 
 
 @triton.jit
-def _store_cast(v, scale, fmax, out_ptr, out_t_ptr, rm, rn, M, N, mask, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """ROWS: store the [M, N] cast; COLS: its [N, M] transposed copy (e4m3 only: the module docstring says why)."""
-    y = tl.minimum(tl.maximum(v * scale, -fmax), fmax).to(out_ptr.dtype.element_ty)
+def _e5m2_bits(v):
+    """The e5m2 byte of each fp32 in v (already clamped to +-57344), rounded to nearest even as the float8 conversion
+    rounds, by integer arithmetic: v is rounded to e5m2's spacing at its binade (2^(e-2), at least 2^-16, the
+    subnormals' spacing) with exact power-of-two scalings, which leaves a value fp16 holds exactly, and e5m2 is fp16's
+    top byte (same exponent bias). Checked against torch's conversion on every float8 midpoint and its neighbours."""
+    e = (v.to(tl.int32, bitcast=True) >> 23) & 0xFF  # the biased fp32 exponent
+    spacing = tl.maximum(e, 113) - 2  # biased: 113 is 2^-14, e5m2's least normal binade
+    r = libdevice.rint(v * ((254 - spacing) << 23).to(tl.float32, bitcast=True)) * (spacing << 23).to(tl.float32,
+                                                                                                     bitcast=True)
+    return ((r.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) >> 8) & 0xFF).to(tl.uint8)
+
+
+@triton.jit
+def _store_cast(v, scale, fmax, out_ptr, out_t_ptr, rm, rn, M, N, mask, ROWS: tl.constexpr, COLS: tl.constexpr,
+                BITS: tl.constexpr = False):
+    """ROWS: store the [M, N] cast; COLS: its [N, M] transposed copy, by Triton's conversion (e4m3), or where BITS by
+    _e5m2_bits into out_t_ptr, a uint8 view (e5m2: the module docstring says why)."""
+    c = tl.minimum(tl.maximum(v * scale, -fmax), fmax)
     if ROWS:
-        tl.store(out_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], y, mask=mask)
+        tl.store(out_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], c.to(out_ptr.dtype.element_ty), mask=mask)
     if COLS:  # transposed after the rounding: a quarter of the shared memory an fp32 tile would take
+        y = _e5m2_bits(c) if BITS else c.to(out_t_ptr.dtype.element_ty)
         tl.store(out_t_ptr + rn[:, None].to(tl.int64) * M + rm[None, :], tl.trans(y), mask=tl.trans(mask))
 
 
@@ -61,11 +81,11 @@ TILES = [triton.Config({"BM": bm, "BN": bn}, num_warps=w) for bm, bn, w in TILE_
 @triton.autotune(configs=TILES, key=["M", "N"])
 @triton.jit
 def cast(x_ptr, scale_ptr, amax_ptr, out_ptr, out_t_ptr, M, N, FMAX: tl.constexpr, COLS: tl.constexpr,
-         BM: tl.constexpr, BN: tl.constexpr):
+         BITS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     rm, rn, mask, offs = _tile(M, N, BM, BN)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     _amax(x, amax_ptr)
-    _store_cast(x, tl.load(scale_ptr), FMAX, out_ptr, out_t_ptr, rm, rn, M, N, mask, True, COLS)
+    _store_cast(x, tl.load(scale_ptr), FMAX, out_ptr, out_t_ptr, rm, rn, M, N, mask, True, COLS, BITS)
 
 
 @triton.autotune(configs=TILES, key=["M", "N"])
@@ -82,7 +102,7 @@ def swiglu_fwd(g_ptr, u_ptr, scale_ptr, amax_ptr, h_ptr, M, N, BM: tl.constexpr,
 @triton.autotune(configs=TILES, key=["M", "N"])
 @triton.jit
 def swiglu_bwd(dh_ptr, g_ptr, u_ptr, h_scale_ptr, dg_scale_ptr, du_scale_ptr, dg_amax_ptr, du_amax_ptr, ht_ptr,
-               dg_ptr, du_ptr, M, N, BM: tl.constexpr, BN: tl.constexpr):
+               dg_ptr, dgt_ptr, du_ptr, dut_ptr, M, N, BITS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     rm, rn, mask, offs = _tile(M, N, BM, BN)
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -96,8 +116,8 @@ def swiglu_bwd(dh_ptr, g_ptr, u_ptr, h_scale_ptr, dg_scale_ptr, du_scale_ptr, dg
     _amax(d_up, du_amax_ptr)
     # h = silu * u again, transposed, for down's weight gradient (recomputed rather than kept from the forward)
     _store_cast(silu * u, tl.load(h_scale_ptr), 448.0, ht_ptr, ht_ptr, rm, rn, M, N, mask, False, True)
-    _store_cast(d_gate, tl.load(dg_scale_ptr), 57344.0, dg_ptr, dg_ptr, rm, rn, M, N, mask, True, False)
-    _store_cast(d_up, tl.load(du_scale_ptr), 57344.0, du_ptr, du_ptr, rm, rn, M, N, mask, True, False)
+    _store_cast(d_gate, tl.load(dg_scale_ptr), 57344.0, dg_ptr, dgt_ptr, rm, rn, M, N, mask, True, BITS, True)
+    _store_cast(d_up, tl.load(du_scale_ptr), 57344.0, du_ptr, dut_ptr, rm, rn, M, N, mask, True, BITS, True)
 
 
 @triton.autotune(configs=TILES, key=["M", "N"])

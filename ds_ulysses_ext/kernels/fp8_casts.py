@@ -46,9 +46,15 @@ def _raise(amax: torch.Tensor, slot: int, v: torch.Tensor) -> None:
     amax[slot] = torch.maximum(amax[slot], v.abs().amax())
 
 
+# how the e5m2 operands' transposed copies are made (fp8_cast_kernels.py says why there are three ways), in the order
+# the first-use check tries them: in the casting kernel from integer-formed bytes, by the byte-transpose kernel after
+# it, by torch's copy after it
+E5_WAYS = ("bits", "bytes", "torch")
+
+
 class Launch(NamedTuple):
     """How the Triton kernels run (the `kernel` argument of the ops here; False: the torch path)."""
-    e5_bytes: bool  # e5m2 transposed copies by the byte-transpose kernel, else by torch's copy (fp8_cast_kernels.py)
+    e5: str  # one of E5_WAYS
     tile: Optional[tuple] = None  # (BM, BN, warps) of fp8_cast_kernels.TILE_SHAPES; None: autotuned
 
 
@@ -73,10 +79,11 @@ def cast(x: torch.Tensor, scales: torch.Tensor, amax: torch.Tensor, slot: int, d
     m, n = x.shape
     if kernel:
         out = torch.empty((m, n), dtype=dtype, device=x.device)
-        cols = dtype == E4  # e5m2 is transposed afterwards: fp8_cast_kernels.py says why
+        bits = dtype == E5 and kernel.e5 == "bits"
+        cols = dtype == E4 or bits  # else e5m2 is transposed afterwards: fp8_cast_kernels.py says why
         out_t = torch.empty((n, m), dtype=dtype, device=x.device) if cols else out
-        _launch("cast", m, n, kernel, x, scales[slot:], amax[slot:], out, out_t, m, n, FMAX=torch.finfo(dtype).max,
-                COLS=cols)
+        _launch("cast", m, n, kernel, x, scales[slot:], amax[slot:], out, out_t.view(torch.uint8) if bits else out_t,
+                m, n, FMAX=torch.finfo(dtype).max, COLS=cols, BITS=bits)
         return out, out_t if cols else _transposed(out, kernel)
     xf = x.float()
     _raise(amax, slot, xf)
@@ -88,7 +95,7 @@ def _transposed(y8: torch.Tensor, kernel: Launch) -> torch.Tensor:
     """An e5m2 operand's transposed copy, contiguous: by the byte-transpose kernel where the first-use check chose it,
     else by torch's copy (an unvectorised elementwise kernel for float8: 1.0 ms against 0.05-0.09 ms at [16384, 8192]
     on an H100)."""
-    if not kernel.e5_bytes:
+    if kernel.e5 == "torch":
         return y8.t().contiguous()
     m, n = y8.shape
     out = torch.empty((n, m), dtype=y8.dtype, device=y8.device)
@@ -112,11 +119,15 @@ def swiglu_bwd(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, scales: torch
                kernel):
     m, n = g.shape
     if kernel:
+        bits = kernel.e5 == "bits"
         ht = torch.empty((n, m), dtype=E4, device=g.device)
         dg, du = (torch.empty((m, n), dtype=E5, device=g.device) for _ in range(2))
+        dgt, dut = ((torch.empty((n, m), dtype=E5, device=g.device) for _ in range(2)) if bits else (dg, du))
         _launch("swiglu_bwd", m, n, kernel, dh, g, u, scales[H:], scales[D_GATE:], scales[D_UP:], amax[D_GATE:],
-                amax[D_UP:], ht, dg, du, m, n)
-        return ht, dg, _transposed(dg, kernel), du, _transposed(du, kernel)
+                amax[D_UP:], ht, dg, dgt.view(torch.uint8), du, dut.view(torch.uint8), m, n, BITS=bits)
+        if not bits:
+            dgt, dut = _transposed(dg, kernel), _transposed(du, kernel)
+        return ht, dg, dgt, du, dut
     gf, uf, dhf = g.float(), u.float(), dh.float()
     e = torch.exp(-gf) + 1
     silu, sig = gf / e, 1 / e
@@ -147,19 +158,22 @@ def checked_outputs(x, g, u, dh, scales, amax, kernel) -> tuple:
 @functools.lru_cache(maxsize=None)
 def kernels_ok(device: torch.device):
     """How the Triton kernels run on `device` (a Launch), or False for the torch path: once per device, the kernels
-    against the torch path on every tile the autotuner may choose, first with the e5m2 transposed copies made by the
-    byte-transpose kernel, then, where those disagree, by torch's copy (fp8_cast_kernels.py says why)."""
+    against the torch path on every tile the autotuner may choose, with the e5m2 transposed copies made each way of
+    E5_WAYS in turn until one agrees (fp8_cast_kernels.py says why)."""
     if device.type != "cuda" or importlib.util.find_spec("triton") is None:
         return False
-    for e5_bytes in (True, False):
-        what = ("fp8.recipe=delayed: the Triton casts, their e5m2 transposes by " +
-                ("the byte-transpose kernel" if e5_bytes else "torch's copy"))
-        if agrees(what, device, torch.bfloat16, functools.partial(_check_pairs, device, e5_bytes)):
-            return Launch(e5_bytes)
+    for e5 in E5_WAYS:
+        what = f"fp8.recipe=delayed: the Triton casts, their e5m2 transposes {_E5_WORDS[e5]}"
+        if agrees(what, device, torch.bfloat16, functools.partial(_check_pairs, device, e5)):
+            return Launch(e5)
     return False
 
 
-def _check_pairs(device: torch.device, e5_bytes: bool):
+_E5_WORDS = {"bits": "in the casting kernels (integer-formed bytes)", "bytes": "by the byte-transpose kernel",
+             "torch": "by torch's copy"}
+
+
+def _check_pairs(device: torch.device, e5: str):
     """The first-use check's pairs, at a shape with partial tiles in both directions and large enough for every tile to
     run many programs (on an H100 the SwiGLU backward's e5m2 transposed copies came out a quarter wrong at 1024 x 1024
     and above while 200 x 136 agreed: docs/precision.md). The casts must agree exactly (the same fp32 product, clamp
@@ -180,7 +194,7 @@ def _check_pairs(device: torch.device, e5_bytes: bool):
     ref, ref_amax = run(False)
     kept = []  # every tile's outputs stay allocated: a later tile's unwritten bytes must not find an earlier one's
     for tile in _kernels().TILE_SHAPES:
-        got, got_amax = run(Launch(e5_bytes, tile))
+        got, got_amax = run(Launch(e5, tile))
         kept.append(got)
         yield from ((f"{name} {tile}", a, b, 0.0 if name in exact else 1e-2) for name, a, b in zip(names, got, ref))
         yield f"amax {tile}", got_amax, ref_amax, 1e-5

@@ -24,9 +24,10 @@ Why: precision=fp8's speed rests on how the amax / scale / cast kernels around e
   this variant runs as fast as the static one, where not as slow as `fp8_mlp` (torchtitan's PR 698 found the latter).
 - `fp8_mlp_fused`: fp8.recipe=delayed's MLP (ds_ulysses_ext/kernels/fp8_delayed.py) with the static scales: our
   Triton casts, each taking its amax in the same pass as the cast and its transposed copy (no torch.compile), run as
-  the first-use check chose (kernels/fp8_casts.py kernels_ok: the e5m2 transposed copies by the byte-transpose kernel
-  where it agreed there);
-- `fp8_mlp_fused_torch_t`: the same with the e5m2 transposes by torch's copy (the check's fallback), what they cost.
+  the first-use check chose (kernels/fp8_casts.py kernels_ok: the e5m2 transposed copies the first way of E5_WAYS
+  that agreed there);
+- `fp8_mlp_fused_bytes`, `fp8_mlp_fused_torch_t`: the same with the e5m2 transposes made after the casts, by the
+  byte-transpose kernel and by torch's copy (the check's fallbacks): what they cost.
 Each JSON line: variant, recipe, tokens, median ms of forward + backward (input and weight gradients), peak memory of
 the timed steps, the ratio to `bf16`, the forward output's relative distance from bf16's, and whether the
 `fp8_mlp_*` variants' output and gradients equal `fp8_mlp`'s bit for bit (the cast-once ones should; the
@@ -139,20 +140,25 @@ def delayed_record(device) -> dict:
     return record
 
 
+# the fused variants: how each makes its e5m2 transposed copies (kernels/fp8_casts.py E5_WAYS); None: as the first-use
+# check chose
+FUSED_WAYS = {"fp8_mlp_fused": None, "fp8_mlp_fused_bytes": "bytes", "fp8_mlp_fused_torch_t": "torch"}
+
+
 def variant(base: torch.nn.Module, name: str, recipe: str, x: torch.Tensor, g: torch.Tensor) -> torch.nn.Module:
     m = copy.deepcopy(base)
     if name == "bf16":
         return m
     if name == "bf16_compiled":
         return torch.compile(m)
-    if name in ("fp8_mlp_fused", "fp8_mlp_fused_torch_t"):  # the MLP's own nn.Linear weights, read by the Function
+    if name.startswith("fp8_mlp_fused"):  # the MLP's own nn.Linear weights, read by the Function
         from ds_ulysses_ext.kernels.fp8_casts import Launch
         from ds_ulysses_ext.kernels.fp8_delayed import bind_delayed_mlp
         from ds_ulysses_ext.kernels.fp8_scales import DelayedScales
         m.scales = static_scales(base, x, g)  # in the Function's slot order (kernels/fp8_casts.py SLOTS)
         state = DelayedScales(["mlp"], 1, x.device)
         state.set_scales(0, torch.stack([v.float().reshape(()) for v in m.scales.values()]))
-        bind_delayed_mlp(m, state, 0, Launch(e5_bytes=False) if name == "fp8_mlp_fused_torch_t" else None)
+        bind_delayed_mlp(m, state, 0, FUSED_WAYS[name] and Launch(FUSED_WAYS[name]))
         m.amax_record = dict(zip(m.scales, state.amax[0].unbind()))
         return m
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -243,7 +249,7 @@ def main():
                 # the fixed-scale variants against fp8_mlp_static (the same scales): the largest relative distance
                 # of the output and the gradients
                 to_static = (max(float((a - b).float().norm() / b.float().norm()) for a, b in zip(grads, static_grads))
-                             if name in ("fp8_mlp_delayed", "fp8_mlp_fused", "fp8_mlp_fused_torch_t")
+                             if (name == "fp8_mlp_delayed" or name in FUSED_WAYS)
                              and static_grads is not None else None)
                 same = (all(torch.equal(a, b) for a, b in zip(grads, fp8_mlp_grads))
                         if name.startswith("fp8_mlp_") and fp8_mlp_grads is not None else None)

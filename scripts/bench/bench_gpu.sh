@@ -146,7 +146,8 @@
 #                at 16k, tensorwise: fp8_mlp (dynamic scaling), fp8_mlp_static (no amax at all) and fp8_mlp_delayed
 #                (fixed scales, every operand's amax still taken, as delayed scaling must) and fp8_mlp_fused (the same
 #                with our own Triton casts, each amax taken in its cast's pass: fp8.recipe=delayed's MLP, its e5m2
-#                transposes as the first-use check chose) and fp8_mlp_fused_torch_t (those by torch's copy), each
+#                transposes as the first-use check chose), fp8_mlp_fused_bytes and fp8_mlp_fused_torch_t (those by the
+#                byte-transpose kernel and by torch's copy after the casts), each
 #                with its 16 largest kernels; $OUT/fp8_delayed.jsonl; $FP8_VARIANTS, $FP8_MODELS: fewer. About 3 min
 #   gpu_fp8      fp8.recipe=delayed's GPU test (tests/test_gpu_fp8_delayed.py: its Triton casts against its torch path)
 #   fp8_track    FP8's accuracy against bf16: $FP8_TRACK_STEPS (default 500) steps of the Llama-3.2-1B shape on the shipped
@@ -382,7 +383,7 @@ for name, a in zip(('liger', 'control'), runs):
               done; done ;;
     fp8_delayed) for m in ${FP8_MODELS:-llama3_1_8b_shape llama3_2_1b}; do
                    python3 scripts/bench/bench_fp8_mlp.py --model $m --recipes tensorwise --tokens 16384 --profile 16 \
-                     --variants ${FP8_VARIANTS:-bf16,fp8_mlp,fp8_mlp_static,fp8_mlp_delayed,fp8_mlp_fused,fp8_mlp_fused_torch_t} 2>&1 \
+                     --variants ${FP8_VARIANTS:-bf16,fp8_mlp,fp8_mlp_static,fp8_mlp_delayed,fp8_mlp_fused,fp8_mlp_fused_bytes,fp8_mlp_fused_torch_t} 2>&1 \
                      | grep -E '^\{|Error' | tee -a "$OUT/fp8_delayed.jsonl"
                  done ;;
     gpu_fp8) python3 -m pytest -q -rs -p no:cacheprovider tests/test_gpu_fp8_delayed.py 2>&1 | tee "$OUT/gpu_fp8.txt" \
