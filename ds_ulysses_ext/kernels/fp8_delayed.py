@@ -139,7 +139,7 @@ def _unseen(state: DelayedScales, row: int) -> tuple:
 
 def bind_delayed_mlp(mlp: torch.nn.Module, state: DelayedScales, row: int, launch=None) -> None:
     """mlp.forward becomes the MLP Function on the MLP's own weights, with row `row` of the state. `launch`: how the
-    kernels run (kernels/fp8_casts.py Launch; scripts/bench/bench_fp8_mlp.py compares the two ways); None: as the
+    kernels run (kernels/fp8_casts.py Launch; scripts/bench/bench_fp8_mlp.py compares the ways); None: as the
     first-use check chose."""
     weights = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
 
