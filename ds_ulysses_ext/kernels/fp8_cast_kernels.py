@@ -22,9 +22,9 @@ tried in this order by kernels/fp8_casts.py's first-use check on every tile:
   pass over a quarter of the operand's bytes (0.05-0.09 ms per [16384, 8192] more than the cast, where torch's copy of
   a float8 tensor, an unvectorised elementwise kernel, took 1.0 ms).
 
-Each reads its operands once: the cast, the e4m3 transposed copy and the amax come from one pass (an e5m2 copy by transpose_bytes is
-a second pass over the cast's bytes, a quarter of the operand's). That is what delayed
-scaling needs to pay: inductor ran every amax as a reduction kernel of its own, as slow as dynamic scaling's
+Each reads its operands once: the cast, its transposed copy and the amax come from one pass (an e5m2 copy by
+transpose_bytes is a second pass over the cast's bytes, a quarter of the operand's). That is what delayed scaling
+needs to pay: inductor ran every amax as a reduction kernel of its own, as slow as dynamic scaling's
 (docs/precision.md). The casts round as inductor's and torchao's do: fp32 product, clamp to the float8 range, one
 rounding.
 """

@@ -50,6 +50,8 @@ def _raise(amax: torch.Tensor, slot: int, v: torch.Tensor) -> None:
 # the first-use check tries them: in the casting kernel from integer-formed bytes, by the byte-transpose kernel after
 # it, by torch's copy after it
 E5_WAYS = ("bits", "bytes", "torch")
+_E5_WORDS = {"bits": "in the casting kernels (integer-formed bytes)", "bytes": "by the byte-transpose kernel",
+             "torch": "by torch's copy"}
 
 
 class Launch(NamedTuple):
@@ -167,10 +169,6 @@ def kernels_ok(device: torch.device):
         if agrees(what, device, torch.bfloat16, functools.partial(_check_pairs, device, e5)):
             return Launch(e5)
     return False
-
-
-_E5_WORDS = {"bits": "in the casting kernels (integer-formed bytes)", "bytes": "by the byte-transpose kernel",
-             "torch": "by torch's copy"}
 
 
 def _check_pairs(device: torch.device, e5: str):
