@@ -149,6 +149,9 @@
 #                transposes as the first-use check chose), fp8_mlp_fused_bytes and fp8_mlp_fused_torch_t (those by the
 #                byte-transpose kernel and by torch's copy after the casts), each
 #                with its 16 largest kernels; $OUT/fp8_delayed.jsonl; $FP8_VARIANTS, $FP8_MODELS: fewer. About 3 min
+#   fp8_casts    fp8.recipe=delayed's cast kernels alone on each tile (scripts/bench/bench_fp8_casts.py: the autotuner's
+#                tiles and others, each checked against the torch path, GB/s against a copy of as many bytes) at
+#                $CAST_SHAPES (default the 1B shape's [32768, 8192] and [32768, 2048]); $OUT/fp8_casts.jsonl
 #   gpu_fp8      fp8.recipe=delayed's GPU test (tests/test_gpu_fp8_delayed.py: its Triton casts against its torch path)
 #   fp8_track    FP8's accuracy against bf16: $FP8_TRACK_STEPS (default 500) steps of the Llama-3.2-1B shape on the shipped
 #                corpus (data=demo, $FP8_TRACK_SEQ tokens a row, default 4096, lr $FP8_TRACK_LR, default 1e-4) in bf16,
@@ -386,6 +389,8 @@ for name, a in zip(('liger', 'control'), runs):
                      --variants ${FP8_VARIANTS:-bf16,fp8_mlp,fp8_mlp_static,fp8_mlp_delayed,fp8_mlp_fused,fp8_mlp_fused_bytes,fp8_mlp_fused_torch_t} 2>&1 \
                      | grep -E '^\{|Error' | tee -a "$OUT/fp8_delayed.jsonl"
                  done ;;
+    fp8_casts) python3 scripts/bench/bench_fp8_casts.py --shapes ${CAST_SHAPES:-32768x8192,32768x2048} 2>&1 \
+                 | grep -E '^\{|Error' | tee -a "$OUT/fp8_casts.jsonl" ;;
     gpu_fp8) python3 -m pytest -q -rs -p no:cacheprovider tests/test_gpu_fp8_delayed.py 2>&1 | tee "$OUT/gpu_fp8.txt" \
                | tail -15 ;;
     fp8_tiling) n=0; for c in "" ${TILING_CONFIGS:-triton.prefer_nd_tiling=True}; do
