@@ -42,6 +42,35 @@ def test_delayed_mlp_kernels_against_its_torch_path(own_amax):
     assert _rel(got_amax, ref_amax) < 1e-5, (got_amax, ref_amax)
 
 
+@pytest.mark.parametrize("own_amax", [True, False])
+def test_delayed_linears_kernels_against_their_torch_path(own_amax):
+    # the joint q/k/v Function at the 1B shape's widths (2048, 512, 512): each cast into its slices of the one GEMM
+    # operand, by the kernels against the torch path. No SiLU here: the casts are exact, so only the GEMMs' own
+    # order of summation may differ (1e-3)
+    from ds_ulysses_ext.kernels.fp8_casts import kernels_ok
+    from ds_ulysses_ext.kernels.fp8_delayed import DelayedFp8Linears
+    dev = torch.device("cuda", torch.cuda.current_device())
+    launch = kernels_ok(dev)
+    gen = torch.Generator(device=dev).manual_seed(1)
+    t, hid = 4096 + 48, 2048
+    x = torch.randn(t, hid, device=dev, generator=gen).bfloat16()
+    ws = [(0.02 * torch.randn(o, hid, device=dev, generator=gen)).bfloat16() for o in (2048, 512, 512)]
+    dys = [(1e-3 * torch.randn(t, w.shape[0], device=dev, generator=gen)).bfloat16() for w in ws]
+    scales = torch.tensor([100.0, 4000.0, 1.0, 1.0, 2e7, 1.0, 1.0, 1.0], device=dev)
+    out = []
+    for kernel in (launch, False):
+        xs, wg = x.clone().requires_grad_(), [w.clone().requires_grad_() for w in ws]
+        amax = torch.zeros(8, device=dev)
+        ys = DelayedFp8Linears.apply(scales, amax, (own_amax, own_amax, False, False, own_amax, False, False, False),
+                                     kernel, xs, *wg)
+        torch.autograd.backward(ys, dys)
+        out.append(([*ys, xs.grad] + [w.grad for w in wg], amax))
+    (got, got_amax), (ref, ref_amax) = out
+    for name, a, b in zip(("y_q", "y_k", "y_v", "dx", "dW_q", "dW_k", "dW_v"), got, ref):
+        assert _rel(a, b) < 1e-3, (name, _rel(a, b))
+    assert torch.equal(got_amax, ref_amax), (got_amax, ref_amax)
+
+
 @pytest.mark.parametrize("shape", [(4096, 8192), (4144, 2048)])
 @pytest.mark.parametrize("e5", ["chosen", "bits", "bytes", "torch"])
 def test_each_cast_kernel_output_on_every_tile_at_a_training_size(shape, e5):

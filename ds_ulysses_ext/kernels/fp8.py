@@ -254,21 +254,23 @@ def _bind_delayed(decoder, chosen: set, report: Fp8Report, partitioned: bool, hi
             if any(getattr(module, p).bias is not None for p in QKV_NAMES):
                 why.add("q/k/v with biases")
             else:
-                sites.append(("linears3", module, names))
+                sites.append(("qkv", module, names))
         if name.rsplit(".", 1)[-1] == "o_proj" and name in chosen and module.bias is None:
-            sites.append(("linears1", module, [name]))
+            sites.append(("o_proj", module, [name]))
     if not any(kind == "mlp" for kind, _, _ in sites):
         found = "".join(f"; {w}" for w in sorted(why))
         raise UnsupportedError(f"fp8.recipe=delayed: no MLP can take delayed scales (it needs a known gated MLP with "
                                f"SiLU, no biases and its three projections in FP8{found}): set fp8.recipe=tensorwise")
     device = device or next(sites[0][1].parameters()).device
-    report.scales = state = DelayedScales([kind for kind, _, _ in sites], history, device)
+    # q/k/v and o_proj share a kind of scale row: the q/k/v group casts its weights with one scale (fp8_delayed.py)
+    report.scales = state = DelayedScales(["mlp" if kind == "mlp" else "linears" for kind, _, _ in sites], history,
+                                          device)
     for row, (kind, module, names) in enumerate(sites):
         chosen.difference_update(names)
         if kind == "mlp":
             bind_delayed_mlp(module, state, row)
             report.delayed_mlps += 1
-        elif kind == "linears3":
+        elif kind == "qkv":
             members = [getattr(module, p) for p in QKV_NAMES]
             ProjectionGroup(members, node=delayed_linears(module, members, state, row)).bind()
             report.delayed_qkv += 1

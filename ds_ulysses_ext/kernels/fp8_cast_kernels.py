@@ -3,7 +3,9 @@
 Legend: an operand [M, N] row-major bf16; T tokens, I the MLP's intermediate size; a suffix 8 is float8, `t` the
 transposed copy made contiguous ([N, M]). scale and amax: pointers to one fp32 each (a slot of the MLP's [8]).
 
-    cast:        x [M, N]                  ->  x8 [M, N], and x8t [N, M] where COLS;  amax raised to max|x|
+    cast:        x [M, N]                  ->  x8 [M, N], and x8t [N, M] where COLS;  amax raised to max|x|; each
+                                               output may be a slice of a wider buffer: row strides LD (x8) and LDT
+                                               (x8t), the joint q/k/v casts of kernels/fp8_delayed.py
     swiglu_fwd:  g, u [T, I]               ->  h8 [T, I], h = silu(g) * u;    amax raised to max|h|
     swiglu_bwd:  dh, g, u [T, I]           ->  h8t [I, T] (h again, for down's weight gradient),
                                                dg8, du8 [T, I] (e5m2), and dg8t, du8t [I, T] where BITS;
@@ -47,16 +49,17 @@ def _e5m2_bits(v):
 
 
 @triton.jit
-def _store_cast(v, scale, fmax, out_ptr, out_t_ptr, rm, rn, M, N, mask, ROWS: tl.constexpr, COLS: tl.constexpr,
+def _store_cast(v, scale, fmax, out_ptr, out_t_ptr, rm, rn, LD, LDT, mask, ROWS: tl.constexpr, COLS: tl.constexpr,
                 BITS: tl.constexpr = False):
-    """ROWS: store the [M, N] cast; COLS: its [N, M] transposed copy, by Triton's conversion (e4m3), or where BITS by
-    _e5m2_bits into out_t_ptr, a uint8 view (e5m2: the module docstring says why)."""
+    """ROWS: store the [M, N] cast (row stride LD); COLS: its [N, M] transposed copy (row stride LDT), by Triton's
+    conversion (e4m3), or where BITS by _e5m2_bits into out_t_ptr, a uint8 view (e5m2: the module docstring says
+    why)."""
     c = tl.minimum(tl.maximum(v * scale, -fmax), fmax)
     if ROWS:
-        tl.store(out_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], c.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + rm[:, None].to(tl.int64) * LD + rn[None, :], c.to(out_ptr.dtype.element_ty), mask=mask)
     if COLS:  # transposed after the rounding: a quarter of the shared memory an fp32 tile would take
         y = _e5m2_bits(c) if BITS else c.to(out_t_ptr.dtype.element_ty)
-        tl.store(out_t_ptr + rn[:, None].to(tl.int64) * M + rm[None, :], tl.trans(y), mask=tl.trans(mask))
+        tl.store(out_t_ptr + rn[:, None].to(tl.int64) * LDT + rm[None, :], tl.trans(y), mask=tl.trans(mask))
 
 
 @triton.jit
@@ -73,19 +76,21 @@ def _amax(v, amax_ptr):
 
 
 # the tile, chosen per (M, N) on first use; re-running a kernel while tuning is harmless (its outputs are overwritten
-# and an atomic max of the same values is the same max). kernels/fp8_casts.py's first-use check runs every one
-TILE_SHAPES = ((64, 64, 4), (128, 64, 8), (64, 128, 8), (128, 128, 8))  # (BM, BN, warps)
+# and an atomic max of the same values is the same max). kernels/fp8_casts.py's first-use check runs every one.
+# (32, 128, 4): the SwiGLU backward's fastest of 15 tiles at [32768, 8192], 1.39 ms against the autotuner's 1.53 from
+# the first four (H100, scripts/bench/bench_fp8_casts.py, docs/benchmarks.md)
+TILE_SHAPES = ((64, 64, 4), (128, 64, 8), (64, 128, 8), (128, 128, 8), (32, 128, 4))  # (BM, BN, warps)
 TILES = [triton.Config({"BM": bm, "BN": bn}, num_warps=w) for bm, bn, w in TILE_SHAPES]
 
 
 @triton.autotune(configs=TILES, key=["M", "N"])
 @triton.jit
-def cast(x_ptr, scale_ptr, amax_ptr, out_ptr, out_t_ptr, M, N, FMAX: tl.constexpr, COLS: tl.constexpr,
+def cast(x_ptr, scale_ptr, amax_ptr, out_ptr, out_t_ptr, M, N, LD, LDT, FMAX: tl.constexpr, COLS: tl.constexpr,
          BITS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     rm, rn, mask, offs = _tile(M, N, BM, BN)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     _amax(x, amax_ptr)
-    _store_cast(x, tl.load(scale_ptr), FMAX, out_ptr, out_t_ptr, rm, rn, M, N, mask, True, COLS, BITS)
+    _store_cast(x, tl.load(scale_ptr), FMAX, out_ptr, out_t_ptr, rm, rn, LD, LDT, mask, True, COLS, BITS)
 
 
 @triton.autotune(configs=TILES, key=["M", "N"])
@@ -96,7 +101,7 @@ def swiglu_fwd(g_ptr, u_ptr, scale_ptr, amax_ptr, h_ptr, M, N, BM: tl.constexpr,
     u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     h = g / (libdevice.exp(-g) + 1.0) * u
     _amax(h, amax_ptr)
-    _store_cast(h, tl.load(scale_ptr), 448.0, h_ptr, h_ptr, rm, rn, M, N, mask, True, False)
+    _store_cast(h, tl.load(scale_ptr), 448.0, h_ptr, h_ptr, rm, rn, N, M, mask, True, False)
 
 
 @triton.autotune(configs=TILES, key=["M", "N"])
@@ -115,9 +120,9 @@ def swiglu_bwd(dh_ptr, g_ptr, u_ptr, h_scale_ptr, dg_scale_ptr, du_scale_ptr, dg
     _amax(d_gate, dg_amax_ptr)
     _amax(d_up, du_amax_ptr)
     # h = silu * u again, transposed, for down's weight gradient (recomputed rather than kept from the forward)
-    _store_cast(silu * u, tl.load(h_scale_ptr), 448.0, ht_ptr, ht_ptr, rm, rn, M, N, mask, False, True)
-    _store_cast(d_gate, tl.load(dg_scale_ptr), 57344.0, dg_ptr, dgt_ptr, rm, rn, M, N, mask, True, BITS, True)
-    _store_cast(d_up, tl.load(du_scale_ptr), 57344.0, du_ptr, dut_ptr, rm, rn, M, N, mask, True, BITS, True)
+    _store_cast(silu * u, tl.load(h_scale_ptr), 448.0, ht_ptr, ht_ptr, rm, rn, N, M, mask, False, True)
+    _store_cast(d_gate, tl.load(dg_scale_ptr), 57344.0, dg_ptr, dgt_ptr, rm, rn, N, M, mask, True, BITS, True)
+    _store_cast(d_up, tl.load(du_scale_ptr), 57344.0, du_ptr, dut_ptr, rm, rn, N, M, mask, True, BITS, True)
 
 
 @triton.autotune(configs=TILES, key=["M", "N"])

@@ -24,17 +24,17 @@ import torch
 
 from .first_use import agrees
 
-# the row of slots a delayed site owns (kernels/fp8_scales.py), by kind: a gated MLP ("mlp"), or n <= 3 linears
-# reading one input ("linears<n>": q/k/v, o_proj alone); None: a slot the kind does not use. Activations and weights
-# cast to e4m3, gradients to e5m2 (range over precision)
+# the row of slots a delayed site owns (kernels/fp8_scales.py), by kind: a gated MLP ("mlp"), or linears reading one
+# input ("linears": q/k/v, o_proj alone), whose weights share one scale and whose output gradients share another, as
+# a fused QKV weight's do (they run as one GEMM: kernels/fp8_delayed.py); None: a slot the kind does not use.
+# Activations and weights cast to e4m3, gradients to e5m2 (range over precision)
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 WIDTH = 8
 X, H, W_GATE, W_UP, W_DOWN, D_GATE, D_UP, DY = range(WIDTH)  # the MLP's slots
-W0, DY0 = 1, 4  # the linears': weight i at W0 + i, its output's gradient at DY0 + i
+LW, LDY = 1, 4  # the linears' slots: their weights', their outputs' gradients'
 SLOTS = {"mlp": ("x", "h", "w_gate", "w_up", "w_down", "d_gate", "d_up", "dy"),
-         **{f"linears{n}": tuple(("x", *(f"w{i}" if i < n else None for i in range(3)),
-                                  *(f"dy{i}" if i < n else None for i in range(3)), None)) for n in (1, 2, 3)}}
-DTYPES = {"mlp": (E4,) * 5 + (E5,) * 3, **{k: (E4,) * 4 + (E5,) * 3 + (E4,) for k in SLOTS if k != "mlp"}}
+         "linears": ("x", "w", None, None, "dy", None, None, None)}
+DTYPES = {"mlp": (E4,) * 5 + (E5,) * 3, "linears": (E4,) * 4 + (E5,) * 3 + (E4,)}
 
 
 def _f8(v: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -77,20 +77,30 @@ def _kernels():
     return fp8_cast_kernels
 
 
-def cast(x: torch.Tensor, scales: torch.Tensor, amax: torch.Tensor, slot: int, dtype: torch.dtype, kernel):
+def cast(x: torch.Tensor, scales: torch.Tensor, amax: torch.Tensor, slot: int, dtype: torch.dtype, kernel,
+         out: Optional[torch.Tensor] = None, out_t: Optional[torch.Tensor] = None):
+    """x [M, N] -> (x8 [M, N], x8t [N, M]), written into `out` and `out_t` where both are given: slices of wider
+    buffers whose rows are contiguous (the joint casts of kernels/fp8_delayed.py: several operands cast into one
+    GEMM's operand)."""
     m, n = x.shape
     if kernel:
-        out = torch.empty((m, n), dtype=dtype, device=x.device)
+        given = out is not None
+        out = out if given else torch.empty((m, n), dtype=dtype, device=x.device)
         bits = dtype == E5 and kernel.e5 == "bits"
         cols = dtype == E4 or bits  # else e5m2 is transposed afterwards: fp8_cast_kernels.py says why
-        out_t = torch.empty((n, m), dtype=dtype, device=x.device) if cols else out
+        if not given:
+            out_t = torch.empty((n, m), dtype=dtype, device=x.device) if cols else out
         _launch("cast", m, n, kernel, x, scales[slot:], amax[slot:], out, out_t.view(torch.uint8) if bits else out_t,
-                m, n, FMAX=torch.finfo(dtype).max, COLS=cols, BITS=bits)
-        return out, out_t if cols else _transposed(out, kernel)
+                m, n, out.stride(0), out_t.stride(0), FMAX=torch.finfo(dtype).max, COLS=cols, BITS=bits)
+        if cols:
+            return out, out_t
+        made = _transposed(out.contiguous(), kernel)
+        return out, out_t.copy_(made) if given else made
     xf = x.float()
     _raise(amax, slot, xf)
     y = _f8(xf, scales[slot], dtype)
-    return y, y.t().contiguous()
+    yt = y.t().contiguous()
+    return (out.copy_(y), out_t.copy_(yt)) if out is not None else (y, yt)
 
 
 def _transposed(y8: torch.Tensor, kernel: Launch) -> torch.Tensor:
@@ -143,8 +153,10 @@ def swiglu_bwd(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, scales: torch
 # every kernel output the checks compare (here on first use, tests/test_gpu_fp8_delayed.py at training sizes). Each
 # cast runs at a scale slot whose pointer is 16-byte aligned and at one that is not: Triton compiles a kernel for each
 # (it specialises pointers on that alignment), and a miscompiled store is a property of the compiled kernel
+# (`@slices`: cast into slices of wider buffers, as the joint q/k/v casts write, at row strides other than the
+# operand's own)
 CHECKED_OUTPUTS = ("x8", "x8t", "x8 @w_gate", "x8t @w_gate", "dy8", "dy8t", "dy8 @w_down", "dy8t @w_down",
-                   "h8", "h8t", "dg8", "dg8t", "du8", "du8t")
+                   "x8 @slices", "x8t @slices", "dy8 @slices", "dy8t @slices", "h8", "h8t", "dg8", "dg8t", "du8", "du8t")
 # the SiLU products among them: libdevice's exp against torch's can move one across a float8 rounding boundary; the
 # casts must agree exactly
 SILU_OUTPUTS = ("h8", "dg8", "du8")
@@ -154,7 +166,17 @@ def checked_outputs(x, g, u, dh, scales, amax, kernel) -> tuple:
     """The outputs named by CHECKED_OUTPUTS, from operands [M, N] bf16 (scales, amax: [WIDTH])."""
     return (*cast(x, scales, amax, X, E4, kernel), *cast(x, scales, amax, W_GATE, E4, kernel),
             *cast(dh, scales, amax, DY, E5, kernel), *cast(dh, scales, amax, W_DOWN, E5, kernel),
+            *_cast_into_slices(x, scales, amax, LW, E4, kernel), *_cast_into_slices(dh, scales, amax, LDY, E5, kernel),
             swiglu_fwd(g, u, scales, amax, kernel), *swiglu_bwd(dh, g, u, scales, amax, kernel))
+
+
+def _cast_into_slices(x, scales, amax, slot, dtype, kernel) -> tuple:
+    """x [M, N] cast into columns 16.. of an [M, N + 32] buffer and its transpose into columns 16.. of an [N, M + 32]
+    one: both row strides differ from the operand's (a joint weight's transpose and a joint gradient take one each)."""
+    m, n = x.shape
+    wide = torch.empty((m, n + 32), dtype=dtype, device=x.device)
+    wide_t = torch.empty((n, m + 32), dtype=dtype, device=x.device)
+    return cast(x, scales, amax, slot, dtype, kernel, wide[:, 16:16 + n], wide_t[:, 16:16 + m])
 
 
 @functools.lru_cache(maxsize=None)

@@ -12,10 +12,17 @@ MLP: W_gate, W_up [I, H], W_down [H, I]; g, u [T, I] the gate and up outputs (bf
     saved: x8t, g, u and the weights' float8 transposes; h is formed again from g and u in the backward's cast
     kernel, so nothing of the size of h is kept (less than the selective recompute keeps of a bf16 MLP).
 
-Linears: W_i [O_i, H], y_i, dy_i [T, O_i], i < n <= 3.
-    forward:   x8 = q(x); y_i = x8 W_i8^T
-    backward:  dy_i8 = q(dy_i); dx = sum_i dy_i8 W_i8; dW_i = dy_i8t x8
-    saved: x8t and the weights' float8 transposes.
+Linears: W_i [O_i, H], y_i, dy_i [T, O_i], i < n <= 3; W [O, H] = [W_0; ...; W_n-1], dY [T, O] = [dy_0 ... dy_n-1],
+O = sum_i O_i: the weights cast with one scale into one buffer, the output gradients with one scale into another, as
+a fused QKV weight is cast (Megatron-Core's, Transformer Engine's), so each product is one GEMM.
+    forward:   x8 = q(x); W8 = q(W); y = x8 W8^T [T, O]; y_i = y[:, O_i's columns] (views)
+    backward:  dY8 = q(dY); dx = dY8 W8; dW = dY8t x8; dW_i = dW[O_i's rows] (views)
+    saved: x8t and W8t.
+Why one GEMM: torch._scaled_mm cannot accumulate into its output, so a GEMM per linear left dx's sum to separate bf16
+adds: two a layer for q/k/v, 32 of the 48 adds that cost 6.3 ms of the 1B shape's FP8 step at 32k (H100,
+docs/benchmarks.md); and k's and v's own GEMMs, N = 512 there, ran far from the GEMM's peak. The cost: a weight whose
+amax is far below its siblings' keeps fewer of e4m3's normal values (a factor of 2^17 below the shared amax is where
+they end), which Transformer Engine's fused QKV accepts as well.
 
 Why our own rather than torchao's: with dynamic scaling each cast needs an amax pass over its operand first, and
 inductor runs each as a kernel of its own; here the amax is taken in the cast's pass and used from the next step on,
@@ -23,15 +30,17 @@ which saved 0.74 ms of one MLP's 16 ms on the Llama-3.1-8B layer shape at 16k to
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from ..errors import UnsupportedError
-from .fp8_casts import (D_GATE, D_UP, DTYPES, DY, DY0, H, W0, W_DOWN, W_GATE, W_UP, X, cast, kernels_ok, swiglu_bwd,
+from .fp8_casts import (D_GATE, D_UP, DTYPES, DY, H, LDY, LW, W_DOWN, W_GATE, W_UP, X, cast, kernels_ok, swiglu_bwd,
                         swiglu_fwd)
 from .fp8_scales import DelayedScales
 
 MLP_DTYPES = DTYPES["mlp"]
-LINEAR_DTYPES = DTYPES["linears3"]  # every linears<n> kind's
+LINEAR_DTYPES = DTYPES["linears"]
 
 
 def _reciprocals(scales: torch.Tensor) -> list:
@@ -103,25 +112,46 @@ class DelayedFp8Linears(torch.autograd.Function):
         if any(unseen):
             scales = scales.clone()
         x8, x8t = _cast(x, scales, amax, unseen, LINEAR_DTYPES, X, kernel)
-        w8 = [_cast(w, scales, amax, unseen, LINEAR_DTYPES, W0 + i, kernel) for i, w in enumerate(weights)]
+        w8, w8t = _joint(weights, 0, scales, amax, unseen, LW, kernel)
         inv = _reciprocals(scales)
-        ctx.save_for_backward(x8t, *(wt for _, wt in w8))
+        ctx.save_for_backward(x8t, w8t)
         ctx.scales, ctx.amax, ctx.unseen, ctx.kernel = scales, amax, unseen, kernel
-        return tuple(_mm(x8, w.t(), inv[X], inv[W0 + i], True) for i, (w, _) in enumerate(w8))
+        y = _mm(x8, w8.t(), inv[X], inv[LW], True)
+        return tuple(y[:, a:b] for a, b in _spans(weights, 0))
 
     @staticmethod
     def backward(ctx, *dys):
-        x8t, *wts = ctx.saved_tensors
+        x8t, w8t = ctx.saved_tensors
         scales, amax, unseen, kernel = ctx.scales, ctx.amax, ctx.unseen, ctx.kernel
-        dy8 = [_cast(dy.contiguous(), scales, amax, unseen, LINEAR_DTYPES, DY0 + i, kernel)
-               for i, dy in enumerate(dys)]
+        dy8, dy8t = _joint([dy.contiguous() for dy in dys], 1, scales, amax, unseen, LDY, kernel)
         inv = _reciprocals(scales)
-        dx = None
-        for i, ((d8, _), wt) in enumerate(zip(dy8, wts)):
-            part = _mm(d8, wt.t(), inv[DY0 + i], inv[W0 + i], False)
-            dx = part if dx is None else dx + part
-        dws = [_mm(d8t, x8t.t(), inv[DY0 + i], inv[X], False) for i, (_, d8t) in enumerate(dy8)]
-        return (None, None, None, None, dx, *dws)
+        dx = _mm(dy8, w8t.t(), inv[LDY], inv[LW], False)
+        dw = _mm(dy8t, x8t.t(), inv[LDY], inv[X], False)
+        return (None, None, None, None, dx, *(dw[a:b] for a, b in _spans(dys, 1)))
+
+
+def _spans(parts, dim: int) -> list:
+    """Each part's [start, end) along the joint dimension."""
+    ends = list(itertools.accumulate(p.shape[dim] for p in parts))
+    return list(zip([0, *ends[:-1]], ends))
+
+
+def _joint(parts, dim: int, scales, amax, unseen, slot: int, kernel):
+    """The 2-d parts cast with slot `slot` into one operand, their concatenation along `dim`, and its transpose, both
+    contiguous: each part's cast goes straight into its slice of each (the casts take the slices' row strides), so no
+    bf16 concatenation is made."""
+    whole = list(parts[0].shape)
+    whole[dim] = sum(p.shape[dim] for p in parts)
+    dtype = LINEAR_DTYPES[slot]
+    out = torch.empty(whole, dtype=dtype, device=parts[0].device)
+    out_t = torch.empty(whole[::-1], dtype=dtype, device=parts[0].device)
+
+    def op(s, a):
+        for (lo, hi), p in zip(_spans(parts, dim), parts):
+            into = (out[lo:hi], out_t[:, lo:hi]) if dim == 0 else (out[:, lo:hi], out_t[lo:hi])
+            cast(p, s, a, slot, dtype, kernel, *into)
+        return out, out_t
+    return _step(op, scales, amax, unseen, LINEAR_DTYPES, (slot,))
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,7 @@ from .fp8_casts import DTYPES, SLOTS, WIDTH
 
 class DelayedScales:
     def __init__(self, kinds: Sequence[str], history: int, device: torch.device) -> None:
-        """kinds: each row's, "mlp" or "linears<n>" (kernels/fp8_casts.py SLOTS)."""
+        """kinds: each row's, "mlp" or "linears" (kernels/fp8_casts.py SLOTS)."""
         if history < 1:
             raise ValueError(f"fp8.amax_history must be >= 1, got {history}")
         self.kinds = tuple(kinds)
@@ -91,12 +91,33 @@ class DelayedScales:
 
     def load_state_dict(self, state: dict) -> None:
         slots = [tuple(r) for r in state["slots"]]
-        if slots != [SLOTS[k] for k in self.kinds] or state["history"].shape[1:] != self.history.shape[1:]:
+        saved = state["history"].to(self.history.device)
+        rows = None
+        if len(slots) == len(self.kinds) and saved.shape[2:] == self.history.shape[2:]:
+            rows = [_joined(saved[:, row], old, SLOTS[kind]) for row, (old, kind) in enumerate(zip(slots, self.kinds))]
+        if rows is None or any(r is None for r in rows):
             raise RuntimeError(f"the checkpoint's fp8.recipe=delayed history is of {tuple(state['history'].shape)} "
                                f"({len(slots)} sites), this model's of {tuple(self.history.shape)} ({len(self.kinds)} "
                                "sites, or of other kinds): resume with the model and fp8.linears that wrote it")
-        saved = state["history"].to(self.history.device)
+        saved = torch.stack(rows, 1)
         length = min(len(saved), len(self.history))  # fp8.amax_history changed: keep the newest that fit
         self.history.zero_()
         self.history[:length] = saved[:length]
         self._rescale()
+
+
+def _joined(history: torch.Tensor, old: tuple, new: tuple):
+    """One site's history [L, WIDTH] by the slots `old` named, as slots `new`: a slot named alike is kept, and a joint
+    slot ("w", "dy") takes the max over the per-linear slots it replaced ("w0".."w2", "dy0".."dy2": checkpoints from
+    before the joint q/k/v GEMM of kernels/fp8_delayed.py). None where some slot of `new` finds nothing."""
+    if old == new:
+        return history
+    out = torch.zeros_like(history)
+    for j, name in enumerate(new):
+        if name is None:
+            continue
+        src = [i for i, o in enumerate(old) if o is not None and (o == name or o.rstrip("0123456789") == name)]
+        if not src:
+            return None
+        out[:, j] = history[:, src].amax(-1)
+    return out
