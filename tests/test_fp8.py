@@ -420,9 +420,9 @@ def test_delayed_trains_within_fp8s_distance_and_logs_its_scales(delayed_runs):
     report = rows[0]["fp8"]
     assert report["recipe"] == "delayed"
     assert (report["delayed_mlps"], report["delayed_qkv"], report["delayed_o"]) == (4, 4, 4)
-    # step 1: every slot its own amax (an MLP's 8, q/k/v's 3 and o_proj's 3: x, the weights, the output gradients; in
-    # 4 layers)
-    assert rows[0]["fp8_dynamic"] == 4 * (8 + 3 + 3) and rows[0]["fp8_saturated"] == 0
+    # step 1: every slot its own amax (an MLP's 6: x, h, gate/up's weights, down's, their output gradients; q/k/v's 3
+    # and o_proj's 3: x, the weights, the output gradients; in 4 layers)
+    assert rows[0]["fp8_dynamic"] == 4 * (6 + 3 + 3) and rows[0]["fp8_saturated"] == 0
     assert all(r["fp8_dynamic"] == 0 and r["fp8_nonfinite_amax"] == 0 for r in rows[1:])
     assert all(r["fp8_amax_over_scale"] > 0.5 for r in rows[1:])  # the scales follow the amaxes
     # which operands clamped: the same slots, by name
@@ -458,14 +458,16 @@ def test_delayed_under_recompute_equals_delayed_without(delayed_runs, tmp_path, 
 
 def test_delayed_cp2_within_fp8s_distance_of_cp1(delayed_runs, tmp_path):
     # cp=2 against world 1, both delayed. Step 1 is dynamic: each rank's scales from its own tokens (as tensorwise),
-    # within FP8's distance from bf16 at world 1 (d1) plus the bf16 layouts' own; from step 2 every rank casts with
-    # the same all-reduced scales. The later steps within 5x the run's largest d1, as tensorwise's bound
+    # within FP8's distance from bf16 at world 1 (d1, its largest over the run) plus the bf16 layouts' own; from step 2
+    # every rank casts with the same all-reduced scales. The later steps within 5x the run's largest d1, as
+    # tensorwise's bound. Not d1 of step 1 alone: one loss's FP8 error can cancel by chance (1.1e-5 at step 1 with
+    # the joint gate/up casts, against 1e-4 to 1e-3 at steps 2-4; cp=2's step 1 was 1.5e-4 from cp=1's)
     _, runs = delayed_runs
     common = ["trainer.max_steps=4", "precision=bf16"]
     bf16_2 = train(tmp_path, "bf16_w2", 2, common + ["parallelism.cp=2", "deepspeed=zero2"])
     got = train(tmp_path, "delayed_w2", 2, common + DELAYED + ["parallelism.cp=2"])
     d1 = [_rel(f["loss"], b["loss"]) for f, b in zip(runs["delayed"], runs["bf16"])]
     bf16_layout = _rel(bf16_2[0]["loss"], runs["bf16"][0]["loss"])
-    assert _rel(got[0]["loss"], runs["delayed"][0]["loss"]) <= d1[0] + 2 * bf16_layout
+    assert _rel(got[0]["loss"], runs["delayed"][0]["loss"]) <= max(d1) + 2 * bf16_layout
     for g, r in zip(got, runs["delayed"]):
         assert _rel(g["loss"], r["loss"]) <= 5 * max(d1), (g["step"], g["loss"], r["loss"], d1)

@@ -8,7 +8,8 @@ transposed copy made contiguous ([N, M]). scale and amax: pointers to one fp32 e
                                                (x8t), the joint q/k/v casts of kernels/fp8_delayed.py
     swiglu_fwd:  g, u [T, I]               ->  h8 [T, I], h = silu(g) * u;    amax raised to max|h|
     swiglu_bwd:  dh, g, u [T, I]           ->  h8t [I, T] (h again, for down's weight gradient),
-                                               dg8, du8 [T, I] (e5m2), and dg8t, du8t [I, T] where BITS;
+                                               dg8, du8 [T, I] (e5m2; row stride LD: the two halves of one
+                                               [T, 2I] operand), and dg8t, du8t [I, T] where BITS;
                                                amax raised for dg, du
     transpose_bytes: a [M, N] 1-byte       ->  its [N, M] copy (the e5m2 operands' transposed copies)
 
@@ -107,7 +108,7 @@ def swiglu_fwd(g_ptr, u_ptr, scale_ptr, amax_ptr, h_ptr, M, N, BM: tl.constexpr,
 @triton.autotune(configs=TILES, key=["M", "N"])
 @triton.jit
 def swiglu_bwd(dh_ptr, g_ptr, u_ptr, h_scale_ptr, dg_scale_ptr, du_scale_ptr, dg_amax_ptr, du_amax_ptr, ht_ptr,
-               dg_ptr, dgt_ptr, du_ptr, dut_ptr, M, N, BITS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+               dg_ptr, dgt_ptr, du_ptr, dut_ptr, M, N, LD, BITS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     rm, rn, mask, offs = _tile(M, N, BM, BN)
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -121,8 +122,8 @@ def swiglu_bwd(dh_ptr, g_ptr, u_ptr, h_scale_ptr, dg_scale_ptr, du_scale_ptr, dg
     _amax(d_up, du_amax_ptr)
     # h = silu * u again, transposed, for down's weight gradient (recomputed rather than kept from the forward)
     _store_cast(silu * u, tl.load(h_scale_ptr), 448.0, ht_ptr, ht_ptr, rm, rn, N, M, mask, False, True)
-    _store_cast(d_gate, tl.load(dg_scale_ptr), 57344.0, dg_ptr, dgt_ptr, rm, rn, N, M, mask, True, BITS, True)
-    _store_cast(d_up, tl.load(du_scale_ptr), 57344.0, du_ptr, dut_ptr, rm, rn, N, M, mask, True, BITS, True)
+    _store_cast(d_gate, tl.load(dg_scale_ptr), 57344.0, dg_ptr, dgt_ptr, rm, rn, LD, M, mask, True, BITS, True)
+    _store_cast(d_up, tl.load(du_scale_ptr), 57344.0, du_ptr, dut_ptr, rm, rn, LD, M, mask, True, BITS, True)
 
 
 @triton.autotune(configs=TILES, key=["M", "N"])

@@ -8,7 +8,7 @@ on the same input leaves the same amax).
 
     cast(x [M, N], slot, dtype)     ->  x8 [M, N], x8t [N, M]
     swiglu_fwd(g, u [T, I])         ->  h8 [T, I],  h = silu(g) * u in fp32
-    swiglu_bwd(dh, g, u [T, I])     ->  h8t [I, T], dg8 [T, I], dg8t [I, T], du8 [T, I], du8t [I, T]
+    swiglu_bwd(dh, g, u [T, I])     ->  h8t [I, T], d8 [T, 2I] = [dg8 du8], d8t [2I, T]
 
 The torch path here is the reference: the CPU runs it, and on CUDA the Triton kernels (kernels/fp8_cast_kernels.py)
 replace it only after they agreed with it on first use (kernels/first_use.py). Both round as torchao's casts do:
@@ -25,15 +25,19 @@ import torch
 from .first_use import agrees
 
 # the row of slots a delayed site owns (kernels/fp8_scales.py), by kind: a gated MLP ("mlp"), or linears reading one
-# input ("linears": q/k/v, o_proj alone), whose weights share one scale and whose output gradients share another, as
-# a fused QKV weight's do (they run as one GEMM: kernels/fp8_delayed.py); None: a slot the kind does not use.
-# Activations and weights cast to e4m3, gradients to e5m2 (range over precision)
+# input ("linears": q/k/v, o_proj alone); None: a slot the kind does not use. Linears that read one input share one
+# scale for their weights and one for their outputs' gradients (gate with up, q with k and v), as a fused QKV or fc1
+# weight's do, so their input gradient is one GEMM (kernels/fp8_delayed.py says why). Activations and weights cast to
+# e4m3, gradients to e5m2 (range over precision)
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 WIDTH = 8
-X, H, W_GATE, W_UP, W_DOWN, D_GATE, D_UP, DY = range(WIDTH)  # the MLP's slots
+X, H, W_GU, W_DOWN, D_GU, DY = 0, 1, 2, 4, 5, 7  # the MLP's slots
 LW, LDY = 1, 4  # the linears' slots: their weights', their outputs' gradients'
-SLOTS = {"mlp": ("x", "h", "w_gate", "w_up", "w_down", "d_gate", "d_up", "dy"),
+SLOTS = {"mlp": ("x", "h", "w_gate_up", None, "w_down", "d_gate_up", None, "dy"),
          "linears": ("x", "w", None, None, "dy", None, None, None)}
+# a joint slot and the per-linear slots it replaced (kernels/fp8_scales.py maps an older checkpoint's history)
+JOINED = {"w_gate_up": ("w_gate", "w_up"), "d_gate_up": ("d_gate", "d_up"), "w": ("w0", "w1", "w2"),
+          "dy": ("dy0", "dy1", "dy2")}
 DTYPES = {"mlp": (E4,) * 5 + (E5,) * 3, "linears": (E4,) * 4 + (E5,) * 3 + (E4,)}
 
 
@@ -129,25 +133,26 @@ def swiglu_fwd(g: torch.Tensor, u: torch.Tensor, scales: torch.Tensor, amax: tor
 
 def swiglu_bwd(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, scales: torch.Tensor, amax: torch.Tensor,
                kernel):
+    """-> h8t [I, T], d8 [T, 2I] = [dg8 du8] and d8t [2I, T]: gate's and up's output gradients as one operand, cast
+    with the one scale they share (slot D_GU)."""
     m, n = g.shape
     if kernel:
         bits = kernel.e5 == "bits"
         ht = torch.empty((n, m), dtype=E4, device=g.device)
-        dg, du = (torch.empty((m, n), dtype=E5, device=g.device) for _ in range(2))
-        dgt, dut = ((torch.empty((n, m), dtype=E5, device=g.device) for _ in range(2)) if bits else (dg, du))
-        _launch("swiglu_bwd", m, n, kernel, dh, g, u, scales[H:], scales[D_GATE:], scales[D_UP:], amax[D_GATE:],
-                amax[D_UP:], ht, dg, dgt.view(torch.uint8), du, dut.view(torch.uint8), m, n, BITS=bits)
-        if not bits:
-            dgt, dut = _transposed(dg, kernel), _transposed(du, kernel)
-        return ht, dg, dgt, du, dut
+        d8 = torch.empty((m, 2 * n), dtype=E5, device=g.device)
+        d8t = torch.empty((2 * n, m), dtype=E5, device=g.device) if bits else d8
+        into = d8t.view(torch.uint8) if bits else d8t
+        _launch("swiglu_bwd", m, n, kernel, dh, g, u, scales[H:], scales[D_GU:], scales[D_GU:], amax[D_GU:],
+                amax[D_GU:], ht, d8, into[:n] if bits else into, d8[:, n:], into[n:] if bits else into, m, n, 2 * n,
+                BITS=bits)
+        return ht, d8, d8t if bits else _transposed(d8, kernel)
     gf, uf, dhf = g.float(), u.float(), dh.float()
     e = torch.exp(-gf) + 1
     silu, sig = gf / e, 1 / e
-    d_up, d_gate = dhf * silu, dhf * uf * sig * (gf * (1 - sig) + 1)
-    _raise(amax, D_GATE, d_gate)
-    _raise(amax, D_UP, d_up)
-    dg, du = _f8(d_gate, scales[D_GATE], E5), _f8(d_up, scales[D_UP], E5)
-    return _f8(silu * uf, scales[H], E4).t().contiguous(), dg, dg.t().contiguous(), du, du.t().contiguous()
+    d = torch.cat([dhf * uf * sig * (gf * (1 - sig) + 1), dhf * silu], 1)  # [d_gate, d_up]
+    _raise(amax, D_GU, d)
+    d8 = _f8(d, scales[D_GU], E5)
+    return _f8(silu * uf, scales[H], E4).t().contiguous(), d8, d8.t().contiguous()
 
 
 # every kernel output the checks compare (here on first use, tests/test_gpu_fp8_delayed.py at training sizes). Each
@@ -155,16 +160,16 @@ def swiglu_bwd(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, scales: torch
 # (it specialises pointers on that alignment), and a miscompiled store is a property of the compiled kernel
 # (`@slices`: cast into slices of wider buffers, as the joint q/k/v casts write, at row strides other than the
 # operand's own)
-CHECKED_OUTPUTS = ("x8", "x8t", "x8 @w_gate", "x8t @w_gate", "dy8", "dy8t", "dy8 @w_down", "dy8t @w_down",
-                   "x8 @slices", "x8t @slices", "dy8 @slices", "dy8t @slices", "h8", "h8t", "dg8", "dg8t", "du8", "du8t")
+CHECKED_OUTPUTS = ("x8", "x8t", "x8 @w_gate_up", "x8t @w_gate_up", "dy8", "dy8t", "dy8 @w_down", "dy8t @w_down",
+                   "x8 @slices", "x8t @slices", "dy8 @slices", "dy8t @slices", "h8", "h8t", "d8", "d8t")
 # the SiLU products among them: libdevice's exp against torch's can move one across a float8 rounding boundary; the
 # casts must agree exactly
-SILU_OUTPUTS = ("h8", "dg8", "du8")
+SILU_OUTPUTS = ("h8", "d8")
 
 
 def checked_outputs(x, g, u, dh, scales, amax, kernel) -> tuple:
     """The outputs named by CHECKED_OUTPUTS, from operands [M, N] bf16 (scales, amax: [WIDTH])."""
-    return (*cast(x, scales, amax, X, E4, kernel), *cast(x, scales, amax, W_GATE, E4, kernel),
+    return (*cast(x, scales, amax, X, E4, kernel), *cast(x, scales, amax, W_GU, E4, kernel),
             *cast(dh, scales, amax, DY, E5, kernel), *cast(dh, scales, amax, W_DOWN, E5, kernel),
             *_cast_into_slices(x, scales, amax, LW, E4, kernel), *_cast_into_slices(dh, scales, amax, LDY, E5, kernel),
             swiglu_fwd(g, u, scales, amax, kernel), *swiglu_bwd(dh, g, u, scales, amax, kernel))

@@ -3,26 +3,32 @@ one autograd Function whose casts are kernels/fp8_casts.py's and whose GEMMs are
 torchao's tensorwise recipe calls them (fast accumulation in the forward only).
 
 Legend: x [T, H] bf16 (the caller's [..., H] flattened); q(.) a cast with the slot's scale; a suffix 8 is float8,
-`t` the transposed copy (kernels/fp8_casts.py).
+`t` the transposed copy (kernels/fp8_casts.py). Linears that read one input are cast as one: their weights with one
+scale into one operand ([W_0; W_1; ..] rows), their outputs' gradients with one scale into another ([dy_0 dy_1 ..]
+columns), as a fused QKV or fc1 weight is cast (Megatron-Core's, Transformer Engine's).
 
-MLP: W_gate, W_up [I, H], W_down [H, I]; g, u [T, I] the gate and up outputs (bf16); y, dy [T, H].
-    forward:   x8 = q(x); g = x8 W_gate8^T; u = x8 W_up8^T; h8 = q(silu(g) u); y = h8 W_down8^T
-    backward:  dy8 = q(dy); dh = dy8 W_down8; dg8, du8 = q(SwiGLU'(dh, g, u)); h8t = q(h)^T
-               dx = dg8 W_gate8 + du8 W_up8; dW_gate = dg8t x8; dW_up = du8t x8; dW_down = dy8t h8
+MLP: W_gate, W_up [I, H], W_down [H, I]; W_gu = [W_gate; W_up] [2I, H]; g, u [T, I] the gate and up outputs (bf16);
+y, dy [T, H].
+    forward:   x8 = q(x); W_gu8 = q(W_gu); g = x8 W_gate8^T; u = x8 W_up8^T; h8 = q(silu(g) u); y = h8 W_down8^T
+    backward:  dy8 = q(dy); dh = dy8 W_down8; d8 = q([dg du]) with [dg du] = SwiGLU'(dh, g, u) [T, 2I];
+               h8t = q(h)^T; dx = d8 W_gu8; [dW_gate; dW_up] = d8t x8; dW_down = dy8t h8
     saved: x8t, g, u and the weights' float8 transposes; h is formed again from g and u in the backward's cast
     kernel, so nothing of the size of h is kept (less than the selective recompute keeps of a bf16 MLP).
 
-Linears: W_i [O_i, H], y_i, dy_i [T, O_i], i < n <= 3; W [O, H] = [W_0; ...; W_n-1], dY [T, O] = [dy_0 ... dy_n-1],
-O = sum_i O_i: the weights cast with one scale into one buffer, the output gradients with one scale into another, as
-a fused QKV weight is cast (Megatron-Core's, Transformer Engine's), so each product is one GEMM.
-    forward:   x8 = q(x); W8 = q(W); y = x8 W8^T [T, O]; y_i = y[:, O_i's columns] (views)
-    backward:  dY8 = q(dY); dx = dY8 W8; dW = dY8t x8; dW_i = dW[O_i's rows] (views)
+Linears: W_i [O_i, H], y_i, dy_i [T, O_i], i < n <= 3; W = [W_0; ..] [O, H], dY = [dy_0 ..] [T, O], O = sum_i O_i.
+    forward:   x8 = q(x); W8 = q(W); y_i = x8 W_i8^T (a GEMM each: y_i is a tensor of its own)
+    backward:  dY8 = q(dY); dx = dY8 W8; [dW_0; ..] = dY8t x8
     saved: x8t and W8t.
-Why one GEMM: torch._scaled_mm cannot accumulate into its output, so a GEMM per linear left dx's sum to separate bf16
-adds: two a layer for q/k/v, 32 of the 48 adds that cost 6.3 ms of the 1B shape's FP8 step at 32k (H100,
-docs/benchmarks.md); and k's and v's own GEMMs, N = 512 there, ran far from the GEMM's peak. The cost: a weight whose
-amax is far below its siblings' keeps fewer of e4m3's normal values (a factor of 2^17 below the shared amax is where
-they end), which Transformer Engine's fused QKV accepts as well.
+
+Why joint. torch._scaled_mm cannot accumulate into its output, so with a scale per linear the input gradient was a
+GEMM per linear and bf16 adds after them: one a layer for gate/up and two for q/k/v, 48 adds that took 6.3 ms of the
+1B shape's FP8 step at 32k (H100, docs/benchmarks.md), where bf16's shared-input linears add in cuBLAS's epilogue
+(kernels/projections.py). One scale for all makes dx one GEMM over the joined K, and each weight gradient pair or
+triple one GEMM too; it also gave k's and v's small GEMMs (N = 512 on the 1B shape) to a large one. The forward keeps
+a GEMM per linear: one output buffer would keep all of q/k/v alive while attention saves one of them (2.5 GiB more at
+32k on the 1B shape, measured). The cost: a weight (or gradient) whose amax is far below its siblings' casts with
+the siblings' scale, losing precision only below e4m3's normal range (2^-17 of the shared amax; e5m2 2^-30), as a
+fused QKV weight does.
 
 Why our own rather than torchao's: with dynamic scaling each cast needs an amax pass over its operand first, and
 inductor runs each as a kernel of its own; here the amax is taken in the cast's pass and used from the next step on,
@@ -35,8 +41,7 @@ import itertools
 import torch
 
 from ..errors import UnsupportedError
-from .fp8_casts import (D_GATE, D_UP, DTYPES, DY, H, LDY, LW, W_DOWN, W_GATE, W_UP, X, cast, kernels_ok, swiglu_bwd,
-                        swiglu_fwd)
+from .fp8_casts import D_GU, DTYPES, DY, H, LDY, LW, W_DOWN, W_GU, X, cast, kernels_ok, swiglu_bwd, swiglu_fwd
 from .fp8_scales import DelayedScales
 
 MLP_DTYPES = DTYPES["mlp"]
@@ -77,15 +82,16 @@ class DelayedFp8Mlp(torch.autograd.Function):
     def forward(ctx, x, w_gate, w_up, w_down, scales, amax, unseen: tuple, kernel: bool):
         if any(unseen):
             scales = scales.clone()  # filled op by op; the backward fills its own slots
-        c = lambda t, slot: _cast(t, scales, amax, unseen, MLP_DTYPES, slot, kernel)  # noqa: E731
-        x8, x8t = c(x, X)
-        (wg8, wg8t), (wu8, wu8t), (wd8, wd8t) = c(w_gate, W_GATE), c(w_up, W_UP), c(w_down, W_DOWN)
+        x8, x8t = _cast(x, scales, amax, unseen, MLP_DTYPES, X, kernel)
+        wgu8, wgu8t = _joint((w_gate, w_up), 0, scales, amax, unseen, MLP_DTYPES, W_GU, kernel)
+        wd8, wd8t = _cast(w_down, scales, amax, unseen, MLP_DTYPES, W_DOWN, kernel)
         inv = _reciprocals(scales)
-        g = _mm(x8, wg8.t(), inv[X], inv[W_GATE], True)
-        u = _mm(x8, wu8.t(), inv[X], inv[W_UP], True)
+        i = w_gate.shape[0]
+        g = _mm(x8, wgu8[:i].t(), inv[X], inv[W_GU], True)
+        u = _mm(x8, wgu8[i:].t(), inv[X], inv[W_GU], True)
         h8 = _step(lambda s, a: swiglu_fwd(g, u, s, a, kernel), scales, amax, unseen, MLP_DTYPES, (H,))
         inv[H] = scales[H].reciprocal()  # made by the probe where h had no history
-        ctx.save_for_backward(x8t, g, u, wg8t, wu8t, wd8t)
+        ctx.save_for_backward(x8t, g, u, wgu8t, wd8t)
         # kept out of autograd's saved tensors: the backward raises amax, and scales may be filled (their version
         # counters would object)
         ctx.scales, ctx.amax, ctx.unseen, ctx.kernel = scales, amax, unseen, kernel
@@ -93,16 +99,17 @@ class DelayedFp8Mlp(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        x8t, g, u, wg8t, wu8t, wd8t = ctx.saved_tensors
+        x8t, g, u, wgu8t, wd8t = ctx.saved_tensors
         scales, amax, unseen, kernel = ctx.scales, ctx.amax, ctx.unseen, ctx.kernel
         dy8, dy8t = _cast(dy.contiguous(), scales, amax, unseen, MLP_DTYPES, DY, kernel)
         inv = _reciprocals(scales)
         dh = _mm(dy8, wd8t.t(), inv[DY], inv[W_DOWN], False)
-        ht, dg, dgt, du, dut = _step(lambda s, a: swiglu_bwd(dh, g, u, s, a, kernel), scales, amax, unseen,
-                                     MLP_DTYPES, (D_GATE, D_UP))
-        inv[D_GATE], inv[D_UP] = scales[D_GATE].reciprocal(), scales[D_UP].reciprocal()  # as h's above
-        dx = _mm(dg, wg8t.t(), inv[D_GATE], inv[W_GATE], False) + _mm(du, wu8t.t(), inv[D_UP], inv[W_UP], False)
-        return (dx, _mm(dgt, x8t.t(), inv[D_GATE], inv[X], False), _mm(dut, x8t.t(), inv[D_UP], inv[X], False),
+        ht, d8, d8t = _step(lambda s, a: swiglu_bwd(dh, g, u, s, a, kernel), scales, amax, unseen, MLP_DTYPES,
+                            (D_GU,))
+        inv[D_GU] = scales[D_GU].reciprocal()  # as h's above
+        dwgu = _mm(d8t, x8t.t(), inv[D_GU], inv[X], False)
+        i = g.shape[1]
+        return (_mm(d8, wgu8t.t(), inv[D_GU], inv[W_GU], False), dwgu[:i], dwgu[i:],
                 _mm(dy8t, ht.t(), inv[DY], inv[H], False), None, None, None, None)
 
 
@@ -112,18 +119,17 @@ class DelayedFp8Linears(torch.autograd.Function):
         if any(unseen):
             scales = scales.clone()
         x8, x8t = _cast(x, scales, amax, unseen, LINEAR_DTYPES, X, kernel)
-        w8, w8t = _joint(weights, 0, scales, amax, unseen, LW, kernel)
+        w8, w8t = _joint(weights, 0, scales, amax, unseen, LINEAR_DTYPES, LW, kernel)
         inv = _reciprocals(scales)
         ctx.save_for_backward(x8t, w8t)
         ctx.scales, ctx.amax, ctx.unseen, ctx.kernel = scales, amax, unseen, kernel
-        y = _mm(x8, w8.t(), inv[X], inv[LW], True)
-        return tuple(y[:, a:b] for a, b in _spans(weights, 0))
+        return tuple(_mm(x8, w8[a:b].t(), inv[X], inv[LW], True) for a, b in _spans(weights, 0))
 
     @staticmethod
     def backward(ctx, *dys):
         x8t, w8t = ctx.saved_tensors
         scales, amax, unseen, kernel = ctx.scales, ctx.amax, ctx.unseen, ctx.kernel
-        dy8, dy8t = _joint([dy.contiguous() for dy in dys], 1, scales, amax, unseen, LDY, kernel)
+        dy8, dy8t = _joint([dy.contiguous() for dy in dys], 1, scales, amax, unseen, LINEAR_DTYPES, LDY, kernel)
         inv = _reciprocals(scales)
         dx = _mm(dy8, w8t.t(), inv[LDY], inv[LW], False)
         dw = _mm(dy8t, x8t.t(), inv[LDY], inv[X], False)
@@ -136,22 +142,21 @@ def _spans(parts, dim: int) -> list:
     return list(zip([0, *ends[:-1]], ends))
 
 
-def _joint(parts, dim: int, scales, amax, unseen, slot: int, kernel):
+def _joint(parts, dim: int, scales, amax, unseen, dtypes: tuple, slot: int, kernel):
     """The 2-d parts cast with slot `slot` into one operand, their concatenation along `dim`, and its transpose, both
     contiguous: each part's cast goes straight into its slice of each (the casts take the slices' row strides), so no
     bf16 concatenation is made."""
     whole = list(parts[0].shape)
     whole[dim] = sum(p.shape[dim] for p in parts)
-    dtype = LINEAR_DTYPES[slot]
-    out = torch.empty(whole, dtype=dtype, device=parts[0].device)
-    out_t = torch.empty(whole[::-1], dtype=dtype, device=parts[0].device)
+    out = torch.empty(whole, dtype=dtypes[slot], device=parts[0].device)
+    out_t = torch.empty(whole[::-1], dtype=dtypes[slot], device=parts[0].device)
 
     def op(s, a):
         for (lo, hi), p in zip(_spans(parts, dim), parts):
             into = (out[lo:hi], out_t[:, lo:hi]) if dim == 0 else (out[:, lo:hi], out_t[lo:hi])
-            cast(p, s, a, slot, dtype, kernel, *into)
+            cast(p, s, a, slot, dtypes[slot], kernel, *into)
         return out, out_t
-    return _step(op, scales, amax, unseen, LINEAR_DTYPES, (slot,))
+    return _step(op, scales, amax, unseen, dtypes, (slot,))
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:

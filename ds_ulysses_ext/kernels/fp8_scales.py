@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from typing import Sequence
 
-from .fp8_casts import DTYPES, SLOTS, WIDTH
+from .fp8_casts import DTYPES, JOINED, SLOTS, WIDTH
 
 
 class DelayedScales:
@@ -108,15 +108,15 @@ class DelayedScales:
 
 def _joined(history: torch.Tensor, old: tuple, new: tuple):
     """One site's history [L, WIDTH] by the slots `old` named, as slots `new`: a slot named alike is kept, and a joint
-    slot ("w", "dy") takes the max over the per-linear slots it replaced ("w0".."w2", "dy0".."dy2": checkpoints from
-    before the joint q/k/v GEMM of kernels/fp8_delayed.py). None where some slot of `new` finds nothing."""
+    slot takes the max over the per-linear slots it replaced (JOINED: checkpoints from before the joint casts of
+    kernels/fp8_delayed.py), the amax its scale would have been made from. None where a slot of `new` finds none."""
     if old == new:
         return history
     out = torch.zeros_like(history)
     for j, name in enumerate(new):
         if name is None:
             continue
-        src = [i for i, o in enumerate(old) if o is not None and (o == name or o.rstrip("0123456789") == name)]
+        src = [i for i, o in enumerate(old) if o is not None and (o == name or o in JOINED.get(name, ()))]
         if not src:
             return None
         out[:, j] = history[:, src].amax(-1)

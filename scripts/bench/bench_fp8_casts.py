@@ -35,7 +35,7 @@ from ds_ulysses_ext.kernels.fp8_casts import (DY, E4, E5, WIDTH, X, Launch, cast
                                               swiglu_fwd)
 
 # tiles beyond the autotuner's list: longer and shorter rows of the tile, fewer and more warps
-MORE_TILES = ((32, 128, 4), (64, 256, 8), (128, 256, 8), (256, 64, 8), (256, 128, 8), (128, 128, 4), (64, 64, 2))
+MORE_TILES = ((64, 256, 8), (128, 256, 8), (256, 64, 8), (256, 128, 8), (128, 128, 4), (64, 64, 2))
 
 
 # the kernels whose work depends on how the e5m2 transposes are made (--ways); the others run for the first way only

@@ -133,6 +133,14 @@ def static_mlp_forward(m: torch.nn.Module, scales: dict, x: torch.Tensor, amax: 
     return linear("down", cast("h", h, GemmInputRole.INPUT, m.down_proj.linear_mm_config))
 
 
+def slot_scales(scales: dict) -> torch.Tensor:
+    """static_scales' in the Function's slot order (kernels/fp8_casts.py SLOTS["mlp"]): gate and up share the smaller
+    of their scales (the larger amax), as do their gradients; an unused slot repeats its neighbour's."""
+    v = {k: t.float().reshape(()) for k, t in scales.items()}
+    gu, dgu = torch.minimum(v["gate"], v["up"]), torch.minimum(v["d_gate"], v["d_up"])
+    return torch.stack([v["x"], v["h"], gu, gu, v["down"], dgu, dgu, v["d_down"]])
+
+
 def delayed_record(device) -> dict:
     """fp8_mlp_delayed's amax buffers (forward operands) and sinks (gradients: leaves whose .grad takes the amax)."""
     record = {k: torch.zeros((), device=device) for k in ("x", "h", "gate", "up", "down")}
@@ -155,9 +163,9 @@ def variant(base: torch.nn.Module, name: str, recipe: str, x: torch.Tensor, g: t
         from ds_ulysses_ext.kernels.fp8_casts import Launch
         from ds_ulysses_ext.kernels.fp8_delayed import bind_delayed_mlp
         from ds_ulysses_ext.kernels.fp8_scales import DelayedScales
-        m.scales = static_scales(base, x, g)  # in the Function's slot order (kernels/fp8_casts.py SLOTS)
+        m.scales = static_scales(base, x, g)
         state = DelayedScales(["mlp"], 1, x.device)
-        state.set_scales(0, torch.stack([v.float().reshape(()) for v in m.scales.values()]))
+        state.set_scales(0, slot_scales(m.scales))
         bind_delayed_mlp(m, state, 0, FUSED_WAYS[name] and Launch(FUSED_WAYS[name]))
         m.amax_record = dict(zip(m.scales, state.amax[0].unbind()))
         return m
