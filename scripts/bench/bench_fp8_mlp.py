@@ -133,6 +133,10 @@ def static_mlp_forward(m: torch.nn.Module, scales: dict, x: torch.Tensor, amax: 
     return linear("down", cast("h", h, GemmInputRole.INPUT, m.down_proj.linear_mm_config))
 
 
+# the fused variants' operands and their slots (kernels/fp8_casts.py SLOTS["mlp"]); gradients' names start with d_
+FUSED_SLOTS = {"x": 0, "h": 1, "gate_up": 2, "down": 4, "d_gate_up": 5, "d_down": 7}
+
+
 def slot_scales(scales: dict) -> torch.Tensor:
     """static_scales' in the Function's slot order (kernels/fp8_casts.py SLOTS["mlp"]): gate and up share the smaller
     of their scales (the larger amax), as do their gradients; an unused slot repeats its neighbour's."""
@@ -163,11 +167,11 @@ def variant(base: torch.nn.Module, name: str, recipe: str, x: torch.Tensor, g: t
         from ds_ulysses_ext.kernels.fp8_casts import Launch
         from ds_ulysses_ext.kernels.fp8_delayed import bind_delayed_mlp
         from ds_ulysses_ext.kernels.fp8_scales import DelayedScales
-        m.scales = static_scales(base, x, g)
         state = DelayedScales(["mlp"], 1, x.device)
-        state.set_scales(0, slot_scales(m.scales))
+        state.set_scales(0, slot_scales(static_scales(base, x, g)))
         bind_delayed_mlp(m, state, 0, FUSED_WAYS[name] and Launch(FUSED_WAYS[name]))
-        m.amax_record = dict(zip(m.scales, state.amax[0].unbind()))
+        m.scales = {k: state.scales[0, i] for k, i in FUSED_SLOTS.items()}
+        m.amax_record = {k: state.amax[0, i] for k, i in FUSED_SLOTS.items()}  # views: the step raises them
         return m
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     convert_to_float8_training(m, config=Float8LinearConfig.from_recipe_name(recipe))
