@@ -5,7 +5,7 @@ transposed copy made contiguous ([N, M]). scale and amax: pointers to one fp32 e
 
     cast:        x [M, N]                  ->  x8 [M, N], and x8t [N, M] where COLS;  amax raised to max|x|; each
                                                output may be a slice of a wider buffer: row strides LD (x8) and LDT
-                                               (x8t), the joint q/k/v casts of kernels/fp8_delayed.py
+                                               (x8t), for the joint casts of kernels/fp8_delayed.py
     swiglu_fwd:  g, u [T, I]               ->  h8 [T, I], h = silu(g) * u;    amax raised to max|h|
     swiglu_bwd:  dh, g, u [T, I]           ->  h8t [I, T] (h again, for down's weight gradient),
                                                dg8, du8 [T, I] (e5m2; row stride LD: the two halves of one

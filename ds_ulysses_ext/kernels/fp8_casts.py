@@ -158,8 +158,8 @@ def swiglu_bwd(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, scales: torch
 # every kernel output the checks compare (here on first use, tests/test_gpu_fp8_delayed.py at training sizes). Each
 # cast runs at a scale slot whose pointer is 16-byte aligned and at one that is not: Triton compiles a kernel for each
 # (it specialises pointers on that alignment), and a miscompiled store is a property of the compiled kernel
-# (`@slices`: cast into slices of wider buffers, as the joint q/k/v casts write, at row strides other than the
-# operand's own)
+# (`@slices`: cast into slices of wider buffers, as the joint casts of gate/up's weights and of q/k/v's weights and
+# gradients write, at row strides other than the operand's own)
 CHECKED_OUTPUTS = ("x8", "x8t", "x8 @w_gate_up", "x8t @w_gate_up", "dy8", "dy8t", "dy8 @w_down", "dy8t @w_down",
                    "x8 @slices", "x8t @slices", "dy8 @slices", "dy8t @slices", "h8", "h8t", "d8", "d8t")
 # the SiLU products among them: libdevice's exp against torch's can move one across a float8 rounding boundary; the

@@ -27,8 +27,8 @@ GEMM per linear and bf16 adds after them: one a layer for gate/up and two for q/
 triple one GEMM too; it also gave k's and v's small GEMMs (N = 512 on the 1B shape) to a large one. The forward keeps
 a GEMM per linear: one output buffer would keep all of q/k/v alive while attention saves one of them (2.5 GiB more at
 32k on the 1B shape, measured). The cost: a weight (or gradient) whose amax is far below its siblings' casts with
-the siblings' scale, losing precision only below e4m3's normal range (2^-17 of the shared amax; e5m2 2^-30), as a
-fused QKV weight does.
+their scale, so its values keep their precision only down to about 2^-15 of the shared amax, where e4m3's
+subnormals begin (e5m2's: 2^-30), as a fused QKV weight's do.
 
 Why our own rather than torchao's: with dynamic scaling each cast needs an amax pass over its operand first, and
 inductor runs each as a kernel of its own; here the amax is taken in the cast's pass and used from the next step on,
