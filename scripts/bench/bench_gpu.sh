@@ -124,6 +124,10 @@
 #                one region under fp8.linears=all), then the anchor without checkpointing at the same lengths
 #                (--fp8 $FP8_ANCHOR_RECIPE, default $FP8_RECIPE or tensorwise: the anchor has no delayed recipe);
 #                $OUT/fp8_short.jsonl
+#   fp8_pairs    precision=fp8 against our bf16, alternated $FP8_PAIRS times (default 2: bf16, fp8, bf16, fp8) at
+#                $FP8_PAIR_POINT (default 32768:none; $MODEL, $EXTRA as for fp8_short; fp8.linears=$FP8_LINEARS, default
+#                all; fp8.recipe=$FP8_RECIPE, default delayed): a ratio whose margin is smaller than the bf16 step's
+#                drift between calls (0.8% on the 1B shape at 32k) read from interleaved runs; $OUT/fp8_pairs.jsonl
 #   fp8_equal    precision=fp8 at the FP8 anchor's checkpointed memory: ours (zero0, bf16 master weights, Liger, no clipping,
 #                the step in backward, memory.offload_activations=true) in bf16 and in fp8 ($FP8_RECIPE, default tensorwise)
 #                at $FP8_EQ_POINTS (default 16k and 32k, except_attention_offload; $MODEL, $EXTRA as for fp8_short), then
@@ -200,6 +204,9 @@ cd "$(dirname "$0")/../.."
 export OUT=${OUT:-$PWD/outputs/bench}
 mkdir -p "$OUT"
 source scripts/bench/bench_site.sh
+# the settings our step runs with against HF + Liger and in the FP8 comparisons: bf16 master weights, Liger's kernels,
+# no clipping, the optimizer step in backward (docs/benchmarks.md BB)
+SAME_C="deepspeed.master_weights=bf16 model.kernels=liger trainer.grad_clip=0 trainer.optimizer_in_backward=true"
 for part in ${*:-attn train_short train_long}; do
   echo "=== $part $(date +%T)"
   case $part in
@@ -282,7 +289,7 @@ for name, a in zip(('liger', 'control'), runs):
                  --deepspeed zero0 | grep RESULT | cut -c1-1200
                python3 -u .bench/anchor-bench/moe_model_bench.py --seqs 16384,32768 --layers 4 --liger \
                  --attn ${MOE_EQ_BACKEND:-fa4} ${MOE_ANCHOR_ARGS:-} 2>&1 | grep RESULT | tee -a "$OUT/moe_equal_hf_liger.jsonl" ;;
-    dense_equal) C="deepspeed.master_weights=bf16 model.kernels=liger trainer.grad_clip=0 trainer.optimizer_in_backward=true"
+    dense_equal) C="$SAME_C"
                  C="$C model.attn_backend=fa4"
                  python3 scripts/bench/bench_train.py --steps 5 --no-phase-times --points 16384:none,32768:none,65536:none $C \
                    --deepspeed zero0 | grep RESULT | cut -c1-1200 | tee -a "$OUT/dense_equal.jsonl"
@@ -351,7 +358,7 @@ for name, a in zip(('liger', 'control'), runs):
                  python3 -m pytest -q -rs -p no:cacheprovider tests/test_zero0.py -k "triton or cuda or in_backward and not follows"; } 2>&1 \
                  | tee "$OUT/gpu_tests.txt" | tail -30 ;;
     fp8_short) pts=${FP8_POINTS:-16384:none,32768:none}; M=${MODEL:-llama3_2_1b}
-               C="deepspeed.master_weights=bf16 model.kernels=liger trainer.grad_clip=0 trainer.optimizer_in_backward=true"
+               C="$SAME_C"
                python3 scripts/bench/bench_train.py --model $M --points $pts --steps 5 --no-phase-times --deepspeed zero0 \
                  $C ${EXTRA:-} | grep RESULT | cut -c1-1200 | tee -a "$OUT/fp8_short.jsonl"
                for r in ${FP8_RECIPES:-${FP8_RECIPE:-tensorwise}}; do for l in ${FP8_LINEARS:-mlp all}; do
@@ -366,8 +373,14 @@ for name, a in zip(('liger', 'control'), runs):
                    --fp8 ${FP8_ANCHOR_RECIPE:-${FP8_RECIPE:-tensorwise}} --no-ckpt --warmup 1 --reps 3 ${ANCHOR_SHAPE:-} 2>&1 \
                    | grep -E "RESULT|Error" | tail -2 | tee -a "$OUT/fp8_short.jsonl"
                done ;;
+    fp8_pairs) for i in $(seq ${FP8_PAIRS:-2}); do for p in bf16 fp8; do  # alternating: drift hits both sides
+                 python3 scripts/bench/bench_train.py --model ${MODEL:-llama3_2_1b} --points ${FP8_PAIR_POINT:-32768:none} \
+                   --steps 5 --no-phase-times --deepspeed zero0 --precision $p $SAME_C ${EXTRA:-} \
+                   $([ $p = fp8 ] && echo fp8.linears=${FP8_LINEARS:-all} fp8.recipe=${FP8_RECIPE:-delayed}) \
+                   | grep RESULT | cut -c1-1200 | tee -a "$OUT/fp8_pairs.jsonl"
+               done; done ;;
     fp8_equal) pts=${FP8_EQ_POINTS:-16384:except_attention_offload,32768:except_attention_offload}; M=${MODEL:-llama3_2_1b}
-               C="deepspeed.master_weights=bf16 model.kernels=liger trainer.grad_clip=0 trainer.optimizer_in_backward=true"
+               C="$SAME_C"
                C="$C memory.offload_activations=true"
                for p in bf16 fp8; do  # fp8.* only on the fp8 rows: a bf16 run refuses a non-default recipe
                  python3 scripts/bench/bench_train.py --model $M --points $pts --steps 5 --no-phase-times --deepspeed zero0 \
