@@ -49,6 +49,7 @@ import torch  # noqa: E402
 
 from bench_attention import timed  # noqa: E402
 from bench_gemm import layer_linears  # noqa: E402
+from ds_ulysses_ext.kernels.fp8_casts import D_GU, DY, H, W_DOWN, W_GU, X  # noqa: E402
 
 
 def mlp(hidden: int, inter: int, device) -> torch.nn.Module:
@@ -134,7 +135,7 @@ def static_mlp_forward(m: torch.nn.Module, scales: dict, x: torch.Tensor, amax: 
 
 
 # the fused variants' operands and their slots (kernels/fp8_casts.py SLOTS["mlp"]); gradients' names start with d_
-FUSED_SLOTS = {"x": 0, "h": 1, "gate_up": 2, "down": 4, "d_gate_up": 5, "d_down": 7}
+FUSED_SLOTS = {"x": X, "h": H, "gate_up": W_GU, "down": W_DOWN, "d_gate_up": D_GU, "d_down": DY}
 
 
 def slot_scales(scales: dict) -> torch.Tensor:
