@@ -171,8 +171,9 @@
 #   gpu_matrix   the GPU exactness matrix (scripts/bench/gpu_matrix.py): every family at a small shape with its real head dims,
 #                each model.kernels, every preset memory=auto can choose, zero0 / zero3, the optimizer step in backward,
 #                packed documents, against the fp32 eager unsplit model; $OUT/gpu_matrix.jsonl; $MATRIX_ARGS: more
-#                arguments (--families, --only, --fa4, --fla, --fp8 (the dense families in FP8, judged against torchao's
-#                eager tensorwise on the same linears), --reinstate-contiguity-bug for the self-check). Families
+#                arguments, split at spaces (--families, --only: substrings of cell names without spaces, e.g. delayed,
+#                --fa4, --fla, --fp8 (the dense families in FP8, judged against torchao's eager tensorwise on the same
+#                linears), --reinstate-contiguity-bug for the self-check). Families
 #                run in $MATRIX_JOBS processes side by side (default 0: one per 20 GiB of GPU memory, 3 on an H100, 7 on
 #                an H200; 8 on an H100 ran out of memory in 54 cells, which --resume runs again); no cell starts after $MATRIX_DEADLINE_S (520) s, and the
 #                rows collect in outputs/gpu_matrix.jsonl, which a warm machine keeps: run the part again in the next
