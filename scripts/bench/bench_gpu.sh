@@ -290,8 +290,7 @@ for name, a in zip(('liger', 'control'), runs):
                  --deepspeed zero0 | grep RESULT | cut -c1-1200
                python3 -u .bench/anchor-bench/moe_model_bench.py --seqs 16384,32768 --layers 4 --liger \
                  --attn ${MOE_EQ_BACKEND:-fa4} ${MOE_ANCHOR_ARGS:-} 2>&1 | grep RESULT | tee -a "$OUT/moe_equal_hf_liger.jsonl" ;;
-    dense_equal) C="$SAME_C"
-                 C="$C model.attn_backend=fa4"
+    dense_equal) C="$SAME_C model.attn_backend=fa4"
                  python3 scripts/bench/bench_train.py --steps 5 --no-phase-times --points 16384:none,32768:none,65536:none $C \
                    --deepspeed zero0 | grep RESULT | cut -c1-1200 | tee -a "$OUT/dense_equal.jsonl"
                  python3 scripts/bench/bench_train.py --steps 5 --no-phase-times --points \
@@ -359,12 +358,11 @@ for name, a in zip(('liger', 'control'), runs):
                  python3 -m pytest -q -rs -p no:cacheprovider tests/test_zero0.py -k "triton or cuda or in_backward and not follows"; } 2>&1 \
                  | tee "$OUT/gpu_tests.txt" | tail -30 ;;
     fp8_short) pts=${FP8_POINTS:-16384:none,32768:none}; M=${MODEL:-llama3_2_1b}
-               C="$SAME_C"
                python3 scripts/bench/bench_train.py --model $M --points $pts --steps 5 --no-phase-times --deepspeed zero0 \
-                 $C ${EXTRA:-} | grep RESULT | cut -c1-1200 | tee -a "$OUT/fp8_short.jsonl"
+                 $SAME_C ${EXTRA:-} | grep RESULT | cut -c1-1200 | tee -a "$OUT/fp8_short.jsonl"
                for r in ${FP8_RECIPES:-${FP8_RECIPE:-tensorwise}}; do for l in ${FP8_LINEARS:-mlp all}; do
                  python3 scripts/bench/bench_train.py --model $M --points $pts --steps 5 --no-phase-times --deepspeed zero0 \
-                   --precision fp8 $C fp8.linears=$l fp8.recipe=$r fp8.compile=${FP8_COMPILE:-auto} \
+                   --precision fp8 $SAME_C fp8.linears=$l fp8.recipe=$r fp8.compile=${FP8_COMPILE:-auto} \
                    ${EXTRA:-} | grep RESULT | cut -c1-1200 \
                    | tee -a "$OUT/fp8_short.jsonl"
                done; done
@@ -381,8 +379,7 @@ for name, a in zip(('liger', 'control'), runs):
                    | grep RESULT | cut -c1-1200 | tee -a "$OUT/fp8_pairs.jsonl"
                done; done ;;
     fp8_equal) pts=${FP8_EQ_POINTS:-16384:except_attention_offload,32768:except_attention_offload}; M=${MODEL:-llama3_2_1b}
-               C="$SAME_C"
-               C="$C memory.offload_activations=true"
+               C="$SAME_C memory.offload_activations=true"
                for p in bf16 fp8; do  # fp8.* only on the fp8 rows: a bf16 run refuses a non-default recipe
                  python3 scripts/bench/bench_train.py --model $M --points $pts --steps 5 --no-phase-times --deepspeed zero0 \
                    --precision $p $C ${EXTRA:-} $([ $p = fp8 ] && echo fp8.recipe=${FP8_RECIPE:-tensorwise}) \
