@@ -107,3 +107,56 @@ def test_each_cast_kernel_output_on_every_tile_at_a_training_size(shape, e5):
             allowed = a.numel() // 100_000 if name.startswith(SILU_OUTPUTS) else 0
             assert differ <= allowed, (tile, e5, name, differ, a.numel())
         assert _rel(got_amax, ref_amax) < 1e-5, (tile, got_amax, ref_amax)
+
+
+def _poison_free_memory(dev, byte):
+    """Leave the caching allocator's free memory holding `byte` everywhere, so that the next step's buffers (torch.empty
+    past the small pool's 1 MiB) start as that byte rather than as whatever an earlier step left there. empty_cache
+    returns every wholly free segment first, so none with an earlier run's right bytes is left to reuse."""
+    torch.cuda.synchronize(dev)
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info(dev)
+    junk = torch.full((min(free // 2, 8 << 30),), byte, dtype=torch.uint8, device=dev)
+    del junk  # back to the cache, not to the driver: the next allocations are carved from it
+
+
+@pytest.mark.parametrize("what", ["mlp", "qkv"])
+def test_delayed_kernels_repeat_bit_for_bit_on_poisoned_memory(what):
+    """A step run twice gives the same bytes, the second time on memory filled with NaN bytes (0xff: NaN in bf16, e4m3
+    and e5m2) and the first on zeros. A byte some kernel never writes (a tile's edge, a slice of a joint operand
+    missed by a wrong row stride, the quarter of the e5m2 transposes seen on 2026-12-07) or a race between programs
+    shows here even where it is too small for the tolerances above: every cast is exact, the atomic maxima are
+    order-free and cuBLAS repeats its GEMMs bit for bit on one stream, so any difference is ours."""
+    from ds_ulysses_ext.kernels.fp8_casts import kernels_ok
+    from ds_ulysses_ext.kernels.fp8_delayed import DelayedFp8Linears, DelayedFp8Mlp
+    dev = torch.device("cuda", torch.cuda.current_device())
+    launch = kernels_ok(dev)
+    assert launch
+    gen = torch.Generator(device=dev).manual_seed(2)
+    t, hid = 4096 + 48, 2048
+    x = torch.randn(t, hid, device=dev, generator=gen).bfloat16()
+    if what == "mlp":
+        shapes, own = ((8192, hid), (8192, hid), (hid, 8192)), (True,) * 8
+        scales = torch.tensor([100.0, 150.0, 4000.0, 4000.0, 4000.0, 2e8, 2e8, 1e7], device=dev)
+        dys = [(1e-3 * torch.randn(t, hid, device=dev, generator=gen)).bfloat16()]
+    else:
+        shapes, own = ((2048, hid), (512, hid), (512, hid)), (True, True, False, False, True, False, False, False)
+        scales = torch.tensor([100.0, 4000.0, 1.0, 1.0, 2e7, 1.0, 1.0, 1.0], device=dev)
+        dys = [(1e-3 * torch.randn(t, o, device=dev, generator=gen)).bfloat16() for o, _ in shapes]
+    ws = [(0.02 * torch.randn(*s, device=dev, generator=gen)).bfloat16() for s in shapes]
+    runs = []
+    for byte in (0x00, 0xFF):
+        _poison_free_memory(dev, byte)
+        xs, wg = x.clone().requires_grad_(), [w.clone().requires_grad_() for w in ws]
+        amax = torch.zeros(8, device=dev)
+        if what == "mlp":
+            ys = [DelayedFp8Mlp.apply(xs, *wg, scales, amax, own, launch)]
+        else:
+            ys = list(DelayedFp8Linears.apply(scales, amax, own, launch, xs, *wg))
+        torch.autograd.backward(ys, dys)
+        # kept on the host: the first run's GPU memory must go back whole, or the second could be carved from it
+        runs.append([r.detach().cpu() for r in (*ys, xs.grad, *(w.grad for w in wg), amax)])
+        del xs, wg, ys, amax
+    for i, (a, b) in enumerate(zip(*runs)):
+        differ = int((a.view(torch.uint8) != b.view(torch.uint8)).sum())
+        assert differ == 0, (what, i, differ, a.numel(), int(b.isnan().sum()))
