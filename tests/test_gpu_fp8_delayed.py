@@ -110,14 +110,25 @@ def test_each_cast_kernel_output_on_every_tile_at_a_training_size(shape, e5):
 
 
 def _poison_free_memory(dev, byte):
-    """Leave the caching allocator's free memory holding `byte` everywhere, so that the next step's buffers (torch.empty
-    past the small pool's 1 MiB) start as that byte rather than as whatever an earlier step left there. empty_cache
-    returns every wholly free segment first, so none with an earlier run's right bytes is left to reuse."""
+    """Leave every free block of the caching allocator holding `byte`, so that the next step's buffers start as that
+    byte rather than as whatever an earlier step left there. One big fresh block is not enough: the first version
+    filled only that, and the allocator's best fit can take buffers from the free remainders of segments still in use
+    (on an H100, with a kernel broken on purpose, 8.6% of the output differed but none of it was NaN: the unwritten
+    bytes were not the poison). So each free block the allocator reports is taken and filled until none is left, and
+    all are handed back at once; a probe allocation checks that the poison is what comes out."""
     torch.cuda.synchronize(dev)
     torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info(dev)
-    junk = torch.full((min(free // 2, 8 << 30),), byte, dtype=torch.uint8, device=dev)
-    del junk  # back to the cache, not to the driver: the next allocations are carved from it
+    held = [torch.full((min(free // 2, 8 << 30),), byte, dtype=torch.uint8, device=dev)]  # room to grow into
+    for _ in range(20):  # taking a block can split a larger one; the remainder is filled on the next pass
+        gaps = [b["size"] for seg in torch.cuda.memory_snapshot() if seg["device"] == dev.index
+                for b in seg["blocks"] if b["state"] == "inactive"]
+        if not gaps:
+            break
+        held += [torch.full((n,), byte, dtype=torch.uint8, device=dev) for n in gaps]
+    del held  # back to the cache, not to the driver: the next allocations are carved from these blocks
+    probe = torch.empty(16 << 20, dtype=torch.uint8, device=dev)
+    assert bool((probe == byte).all()), "the allocator handed out memory the poisoning did not reach"
 
 
 @pytest.mark.parametrize("what", ["mlp", "qkv"])
