@@ -171,3 +171,38 @@ def test_delayed_kernels_repeat_bit_for_bit_on_poisoned_memory(what):
     for i, (a, b) in enumerate(zip(*runs)):
         differ = int((a.view(torch.uint8) != b.view(torch.uint8)).sum())
         assert differ == 0, (what, i, differ, a.numel(), int(b.isnan().sum()))
+
+
+def test_kernels_keep_nan_where_the_torch_path_does():
+    """A NaN operand stays NaN in every cast and in its slot's amax, on every tile, as on the torch path (torch.clamp
+    and amax keep it); an inf saturates to float8 max and makes its amax inf. Triton's min, max and max-reduction drop
+    NaN unless told not to: the kernels then cast a NaN as -float8 max and left it out of the amax, so a step with a
+    NaN operand went on finite where the torch path's stops (fp8_cast_kernels._store_cast says why that matters).
+    NaN bytes may differ in payload: their positions are compared, and every other byte as in the test above."""
+    from ds_ulysses_ext.kernels import fp8_cast_kernels
+    from ds_ulysses_ext.kernels.fp8_casts import CHECKED_OUTPUTS, SILU_OUTPUTS, Launch, checked_outputs, kernels_ok
+    dev = torch.device("cuda", torch.cuda.current_device())
+    launch = kernels_ok(dev)
+    assert launch
+    gen = torch.Generator(device=dev).manual_seed(3)
+    m, n = 1040, 1056
+    x, g, u, dh = ((3 * torch.randn(m, n, device=dev, generator=gen)).bfloat16() for _ in range(4))
+    x[5, 7] = g[900, 1000] = dh[70, 3] = float("nan")
+    x[1000, 2] = dh[2, 1050] = float("inf")
+    scales = torch.tensor([100.0, 150.0, 4000.0, 4000.0, 4000.0, 2e6, 2e6, 1e7], device=dev)
+
+    def run(kernel):
+        amax = torch.zeros(8, device=dev)
+        return checked_outputs(x, g, u, dh, scales, amax, kernel), amax
+    ref, ref_amax = run(False)
+    assert ref_amax.isnan().any() and ref_amax.isinf().any()  # the inputs do what this test needs on the torch path
+    for tile in fp8_cast_kernels.TILE_SHAPES:
+        got, got_amax = run(Launch(launch.e5, tile))
+        for name, a, b in zip(CHECKED_OUTPUTS, got, ref):
+            nan_a, nan_b = a.float().isnan(), b.float().isnan()
+            assert torch.equal(nan_a, nan_b), (tile, name, int(nan_a.sum()), int(nan_b.sum()))
+            differ = int(((a.view(torch.uint8) != b.view(torch.uint8)) & ~nan_b).sum())
+            allowed = a.numel() // 100_000 if name.startswith(SILU_OUTPUTS) else 0
+            assert differ <= allowed, (tile, name, differ)
+        assert torch.equal(got_amax.isnan(), ref_amax.isnan()) and torch.equal(got_amax.isinf(), ref_amax.isinf()), (
+            tile, got_amax, ref_amax)

@@ -49,13 +49,17 @@ def _e5m2_bits(v):
     return ((r.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) >> 8) & 0xFF).to(tl.uint8)
 
 
+# A NaN operand stays NaN, in its cast and in its amax, as on the torch path (torch.clamp and amax keep it). Triton's
+# min, max and max-reduction drop NaN by default: a NaN would be cast as -float8 max and left out of the amax, and the
+# step would go on finite where the torch path's, and bf16's, turns non-finite and is stopped (trainer.on_nonfinite).
 @triton.jit
 def _store_cast(v, scale, fmax, out_ptr, out_t_ptr, rm, rn, LD, LDT, mask, ROWS: tl.constexpr, COLS: tl.constexpr,
                 BITS: tl.constexpr = False):
     """ROWS: store the [M, N] cast (row stride LD); COLS: its [N, M] transposed copy (row stride LDT), by Triton's
     conversion (e4m3), or where BITS by _e5m2_bits into out_t_ptr, a uint8 view (e5m2: the module docstring says
     why)."""
-    c = tl.minimum(tl.maximum(v * scale, -fmax), fmax)
+    c = tl.minimum(tl.maximum(v * scale, -fmax, propagate_nan=tl.PropagateNan.ALL), fmax,
+                   propagate_nan=tl.PropagateNan.ALL)
     if ROWS:
         tl.store(out_ptr + rm[:, None].to(tl.int64) * LD + rn[None, :], c.to(out_ptr.dtype.element_ty), mask=mask)
     if COLS:  # transposed after the rounding: a quarter of the shared memory an fp32 tile would take
@@ -72,8 +76,15 @@ def _tile(M, N, BM: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit
+def _max_keeping_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _amax(v, amax_ptr):
-    tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(v), axis=1), axis=0))
+    # |NaN| is a NaN with its sign bit clear, which Triton's float atomic_max (an integer max on non-negative values)
+    # keeps over every finite amax and inf
+    tl.atomic_max(amax_ptr, tl.reduce(tl.reduce(tl.abs(v), 1, _max_keeping_nan), 0, _max_keeping_nan))
 
 
 # the tile, chosen per (M, N) on first use; re-running a kernel while tuning is harmless (its outputs are overwritten
