@@ -50,8 +50,9 @@ def _e5m2_bits(v):
 
 
 # A NaN operand stays NaN, in its cast and in its amax, as on the torch path (torch.clamp and amax keep it). Triton's
-# min, max and max-reduction drop NaN by default: a NaN would be cast as -float8 max and left out of the amax, and the
-# step would go on finite where the torch path's, and bf16's, turns non-finite and is stopped (trainer.on_nonfinite).
+# min, max and max-reduction drop NaN by default: a NaN would be cast as -float8 max and left out of the amax, so one
+# born just before a cast (in attention's output, say, ahead of o_proj) could leave the loss finite where the torch
+# path's, and bf16's, turns non-finite and trainer.on_nonfinite stops the run; fp8_nonfinite_amax would not count it.
 @triton.jit
 def _store_cast(v, scale, fmax, out_ptr, out_t_ptr, rm, rn, LD, LDT, mask, ROWS: tl.constexpr, COLS: tl.constexpr,
                 BITS: tl.constexpr = False):
