@@ -182,9 +182,10 @@ def test_delayed_kernels_repeat_bit_for_bit_on_poisoned_memory(what):
         assert differ == 0, (what, i, differ, a.numel(), int(b.isnan().sum()))
 
 
-def test_kernels_keep_nan_where_the_torch_path_does():
+@pytest.mark.parametrize("special", ["nan", "inf"])
+def test_kernels_keep_nan_where_the_torch_path_does(special):
     """A NaN operand stays NaN in every cast and in its slot's amax, on every tile, as on the torch path (torch.clamp
-    and amax keep it); an inf saturates to float8 max and makes its amax inf. Triton's min, max and max-reduction drop
+    and amax keep it); an inf saturates to float8 max and makes its amax inf (alone: a slot with a NaN too is NaN). Triton's min, max and max-reduction drop
     NaN unless told not to: the kernels then cast a NaN as -float8 max and left it out of the amax, so a step with a
     NaN operand could go on finite where the torch path's stops (fp8_cast_kernels._store_cast says when).
     NaN bytes may differ in payload: their positions are compared, and every other byte as in the test above."""
@@ -196,7 +197,8 @@ def test_kernels_keep_nan_where_the_torch_path_does():
     gen = torch.Generator(device=dev).manual_seed(3)
     m, n = 1040, 1056
     x, g, u, dh = ((3 * torch.randn(m, n, device=dev, generator=gen)).bfloat16() for _ in range(4))
-    x[5, 7] = g[900, 1000] = dh[70, 3] = float("nan")
+    if special == "nan":  # in every slot: x and dh feed their casts, g the SwiGLU's
+        x[5, 7] = g[900, 1000] = dh[70, 3] = float("nan")
     x[1000, 2] = dh[2, 1050] = float("inf")
     scales = torch.tensor([100.0, 150.0, 4000.0, 4000.0, 4000.0, 2e6, 2e6, 1e7], device=dev)
 
@@ -204,7 +206,12 @@ def test_kernels_keep_nan_where_the_torch_path_does():
         amax = torch.zeros(8, device=dev)
         return checked_outputs(x, g, u, dh, scales, amax, kernel), amax
     ref, ref_amax = run(False)
-    assert ref_amax.isnan().any() and ref_amax.isinf().any()  # the inputs do what this test needs on the torch path
+    # the inputs do what this test needs on the torch path (on an H100, the first version put a NaN in every slot an
+    # inf reached, so no amax was inf)
+    if special == "nan":
+        assert ref_amax.isnan().any()
+    else:
+        assert ref_amax.isinf().any() and not ref_amax.isnan().any()
     for tile in fp8_cast_kernels.TILE_SHAPES:
         got, got_amax = run(Launch(launch.e5, tile))
         for name, a, b in zip(CHECKED_OUTPUTS, got, ref):
