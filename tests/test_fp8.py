@@ -400,6 +400,14 @@ def test_delayed_binds_mlps_and_attention_and_leaves_the_rest_to_tensorwise():
     report = apply_fp8(model, "delayed", "mlp", compile_casts="false")
     assert report.delayed_mlps == 1 and "activation is not SiLU" in report.dynamic_why
     assert isinstance(model.model.layers[1].mlp.gate_proj, Float8Linear)
+    # an MoE model has no dense MLP to choose (its experts are not linears): its attention takes the delayed scales,
+    # unless none of it can (q/k/v and o_proj with biases), which is refused with the fix
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48)
+    report = apply_fp8(_tiny("qwen3_moe", **moe), "delayed", "all", compile_casts="false")
+    assert (report.delayed_mlps, report.delayed_qkv, report.delayed_o) == (0, 2, 2), report
+    assert report.scales.kinds == ("linears",) * 4
+    with pytest.raises(UnsupportedError, match=r"no decoder linear .*can take delayed scales.*fp8.recipe=tensorwise"):
+        apply_fp8(_tiny("qwen3_moe", attention_bias=True, **moe), "delayed", "all", compile_casts="false")
 
 
 def test_delayed_under_zero3_partitions_is_refused():
@@ -429,6 +437,18 @@ def test_delayed_trains_within_fp8s_distance_and_logs_its_scales(delayed_runs):
     assert all(sum(r["fp8_saturated_by_operand"].values()) == r["fp8_saturated"] for r in rows)
     d = [_rel(f["loss"], b["loss"]) for f, b in zip(rows, runs["bf16"])]
     assert 0 < max(d) < 2e-2, d  # FP8's rounding (tensorwise's measured distance here: up to 4e-3), not more
+
+
+def test_delayed_on_an_moe_model_trains_within_fp8s_distance(tmp_path):
+    # Qwen3-MoE: attention's q/k/v groups and o_proj take delayed scales, the experts and routers stay bf16
+    common = ["model=tiny_moe", "trainer.max_steps=3", "precision=bf16", "parallelism.cp=1"]
+    bf16 = train(tmp_path, "bf16", 1, common)
+    rows = train(tmp_path, "delayed", 1, common + DELAYED)
+    report = rows[0]["fp8"]
+    assert (report["delayed_mlps"], report["delayed_qkv"], report["delayed_o"]) == (0, 4, 4), report
+    assert rows[0]["fp8_dynamic"] == 4 * (3 + 3) and all(r["fp8_dynamic"] == 0 for r in rows[1:])
+    d = [_rel(f["loss"], b["loss"]) for f, b in zip(rows, bf16)]
+    assert 0 < max(d) < 2e-2, d  # FP8's rounding, as the dense model's bound above
 
 
 def test_delayed_resumes_with_its_history(delayed_runs, tmp_path):

@@ -229,18 +229,20 @@ def _bind_delayed(decoder, chosen: set, report: Fp8Report, partitioned: bool, hi
     """fp8.recipe=delayed: bind each site the delayed Functions compute (kernels/fp8_delayed.py), and take its linears
     out of `chosen` (they stay nn.Linear, read by the Function): each gated MLP whose three projections are chosen, of
     a known class (HF's own forward), with SiLU and no biases; each attention's q/k/v where all three are chosen and
-    have no bias (one group: one cast of x); each chosen o_proj without a bias. Refused where no MLP qualifies: the
-    user asked for delayed scales, and the MLPs are most of what they buy."""
+    have no bias (one group: one cast of x); each chosen o_proj without a bias. Refused where MLPs were chosen and
+    none qualifies: the user asked for delayed scales, and the MLPs are most of what they buy. A model whose every
+    MLP is an MoE block (its experts are not linears) has none to choose: its attention takes the delayed scales."""
     from .bind import is_silu
     from .projections import ProjectionGroup
     if partitioned:
         raise UnsupportedError("fp8.recipe=delayed runs each MLP as one function on its three weights, past the "
                                "gather hooks ZeRO-3 puts on each linear's call: set deepspeed.zero_stage to 1 or 2, "
                                "or fp8.recipe=tensorwise")
-    sites, why = [], set()  # (kind, module, linear names)
+    sites, why, mlps_chosen = [], set(), False  # (kind, module, linear names)
     for name, module in decoder.layers.named_modules():
         names = [f"{name}.{p}" for p in MLP_NAMES]
         if all(n in chosen for n in names):
+            mlps_chosen = True
             if not is_known_gated_mlp(module):
                 why.add(f"{type(module).__name__} is not a known down(act(gate) * up) MLP")
             elif not is_silu(module.act_fn):
@@ -257,10 +259,12 @@ def _bind_delayed(decoder, chosen: set, report: Fp8Report, partitioned: bool, hi
                 sites.append(("qkv", module, names))
         if name.rsplit(".", 1)[-1] == "o_proj" and name in chosen and module.bias is None:
             sites.append(("o_proj", module, [name]))
-    if not any(kind == "mlp" for kind, _, _ in sites):
+    if (mlps_chosen or not sites) and not any(kind == "mlp" for kind, _, _ in sites):
         found = "".join(f"; {w}" for w in sorted(why))
-        raise UnsupportedError(f"fp8.recipe=delayed: no MLP can take delayed scales (it needs a known gated MLP with "
-                               f"SiLU, no biases and its three projections in FP8{found}): set fp8.recipe=tensorwise")
+        what = "no MLP" if mlps_chosen else "no decoder linear (no dense MLP, no bias-free q/k/v or o_proj in FP8)"
+        raise UnsupportedError(f"fp8.recipe=delayed: {what} can take delayed scales (an MLP needs to be a known gated "
+                               f"one with SiLU, no biases and its three projections in FP8{found}): set "
+                               f"fp8.recipe=tensorwise")
     device = device or next(sites[0][1].parameters()).device
     # q/k/v and o_proj share a kind of scale row: the q/k/v group casts its weights with one scale (fp8_delayed.py)
     report.scales = state = DelayedScales(["mlp" if kind == "mlp" else "linears" for kind, _, _ in sites], history,
