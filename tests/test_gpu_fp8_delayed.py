@@ -185,9 +185,10 @@ def test_delayed_kernels_repeat_bit_for_bit_on_poisoned_memory(what):
 @pytest.mark.parametrize("special", ["nan", "inf"])
 def test_kernels_keep_nan_where_the_torch_path_does(special):
     """A NaN operand stays NaN in every cast and in its slot's amax, on every tile, as on the torch path (torch.clamp
-    and amax keep it); an inf saturates to float8 max and makes its amax inf (alone: a slot with a NaN too is NaN). Triton's min, max and max-reduction drop
-    NaN unless told not to: the kernels then cast a NaN as -float8 max and left it out of the amax, so a step with a
-    NaN operand could go on finite where the torch path's stops (fp8_cast_kernels._store_cast says when).
+    and amax keep it); an inf saturates to float8 max and makes its amax inf (alone: a slot with a NaN too is NaN).
+    Triton's min, max and max-reduction drop NaN unless told not to: the kernels then cast a NaN as -float8 max and
+    left it out of the amax, so a step with a NaN operand could go on finite where the torch path's stops
+    (fp8_cast_kernels._store_cast says when).
     NaN bytes may differ in payload: their positions are compared, and every other byte as in the test above."""
     from ds_ulysses_ext.kernels import fp8_cast_kernels
     from ds_ulysses_ext.kernels.fp8_casts import CHECKED_OUTPUTS, Launch, checked_outputs, kernels_ok
