@@ -111,8 +111,10 @@ FAMILIES = {
 # .flaw's fla-core is installed: --fla) as well as through the torch path every other cell runs
 HYBRID = ("qwen3_5_moe", "qwen3_5_dense")
 # FP8 cells (--fp8): the dense families, whose MLPs fp8.recipe=delayed takes (gated SiLU, no biases). The MoE families'
-# layers are all sparse here, and their experts stay bf16: precision=fp8 refuses them with fp8.linears=mlp, and the
-# delayed recipe refuses them for want of an MLP it takes
+# layers are all sparse here, and their experts stay bf16, so precision=fp8 refuses them with fp8.linears=mlp; under
+# fp8.linears=all their attention projections run in FP8: Qwen3-MoE's with delayed scales too (its q/k/v groups and
+# o_proj); DeepSeek-V3's MLA with tensorwise alone, since the delayed recipe refuses its dense MLPs (DeepseekV3MLP is
+# not among the gated MLPs it knows)
 FP8_FAMILIES = ("llama_d64", "llama_d128", "qwen3_d128")
 FP8_EAGER = ["precision=fp8", "fp8.recipe=tensorwise", "fp8.compile=false", "model.kernels=none", "memory=none"]
 FP8_CELLS = {  # name: overrides (each with precision=fp8 and model.kernels=liger), packed
@@ -122,6 +124,12 @@ FP8_CELLS = {  # name: overrides (each with precision=fp8 and model.kernels=lige
     "fp8 delayed packed": (["fp8.recipe=delayed"], True),
     "fp8 delayed memory=selective": (["fp8.recipe=delayed", "memory=selective"], False),
     "fp8 delayed memory=full_recompute": (["fp8.recipe=delayed", "memory=full_recompute"], False),
+}
+FP8_MOE_CELLS = {  # family: its cells, as FP8_CELLS (the experts stay bf16)
+    "qwen3_moe": {"fp8 tensorwise all": (["fp8.recipe=tensorwise", "fp8.linears=all"], False),
+                  "fp8 delayed all": (["fp8.recipe=delayed", "fp8.linears=all"], False),
+                  "fp8 delayed all packed": (["fp8.recipe=delayed", "fp8.linears=all"], True)},
+    "deepseek_v3_mla": {"fp8 tensorwise all": (["fp8.recipe=tensorwise", "fp8.linears=all"], False)},
 }
 # FlashAttention-4 cells (--fa4, after the FA4 wheels are installed): head dims it takes, windows and sinks among them
 FA4_FAMILIES = ("llama_d64", "llama_d128", "qwen3_moe", "gpt_oss", "cohere2_moe")
@@ -169,8 +177,9 @@ def cells(families, quick: bool, fa4: bool = False, fla: bool = False, fp8: bool
         out.append((fam, "optimizer_in_backward", ["trainer.optimizer_in_backward=true"], False))
         out.append((fam, "packed except_attention_offload", ["memory=except_attention_offload"], True))
     if fp8:
-        for fam in [f for f in FP8_FAMILIES if f in families]:
-            for name, (over, packed) in FP8_CELLS.items():
+        fp8_cells = {**{f: FP8_CELLS for f in FP8_FAMILIES}, **FP8_MOE_CELLS}
+        for fam in [f for f in fp8_cells if f in families]:
+            for name, (over, packed) in fp8_cells[fam].items():
                 out.append((fam, name, ["precision=fp8", "model.kernels=liger", *over], packed))
     return out
 
