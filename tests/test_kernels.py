@@ -91,6 +91,34 @@ def test_a_non_silu_mlp_stays_eager_and_is_reported():
     assert "forward" not in model.model.layers[0].mlp.__dict__
 
 
+class _NormedProductMLP(torch.nn.Module):
+    """HF's names and a SiLU act_fn, but a norm on the product (as BitNet's MLP has): not down(silu(gate) * up)."""
+
+    def __init__(self, mlp):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj, self.act_fn = mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn
+
+    def forward(self, x):
+        h = self.act_fn(self.gate_proj(x)) * self.up_proj(x)
+        return self.down_proj(h / h.norm(dim=-1, keepdim=True).clamp_min(1e-6))
+
+
+def test_an_mlp_of_hf_names_that_computes_something_else_stays_eager():
+    """Bound by its names alone, this MLP would lose its norm with no error (so it was, until 2026-12-08)."""
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    models = [_model("llama") for _ in range(2)]
+    for model in models:
+        for layer in model.model.layers:
+            layer.mlp = _NormedProductMLP(layer.mlp)
+    ref_logits, ref_grads = _logits_and_grads(models[0], ids)
+    report = apply_fused_kernels(models[1], "auto", torch.device("cpu"), provider=Provider(), projections=False)
+    assert report.mlps == 0 and report.skipped_mlps == ["_NormedProductMLP", "_NormedProductMLP"]
+    logits, grads = _logits_and_grads(models[1], ids)
+    assert torch.equal(logits, ref_logits)
+    for name in grads:
+        assert torch.equal(grads[name], ref_grads[name]), name
+
+
 def test_rope_bound_per_instance_runs_the_provider():
     """The bound forward runs HF's code with the provider's RoPE; another instance and HF's module keep theirs."""
     from transformers.models.llama import modeling_llama

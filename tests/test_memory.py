@@ -191,13 +191,30 @@ def test_wrong_order_is_refused_and_leaves_no_patch():
 
 
 # ---------------------------------------------------------------- selective recompute: which MLPs it rewrites
-@pytest.mark.parametrize("family, overrides", [("llama", {}), ("llama", {"mlp_bias": True}), ("qwen2", {}),
-                                               ("qwen3", {}), ("mistral", {}),
-                                               ("qwen3_moe", {"mlp_only_layers": [0, 1]})])  # its dense MLPs
-def test_selective_rewrites_every_known_gated_mlp(family, overrides):
+def _hf_loss_and_grads(model, ids):
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+# every family's dense MLPs (each a copy of LlamaMLP's forward in its own modeling file) are rewritten, and the
+# rewritten model is the model: the count is the tiny config's dense layers (tests/tiny_models.py); MoE layers have
+# none. Until 2026-12-08 the rewrite took a hand list of five classes, and the rest recomputed their whole MLP
+@pytest.mark.parametrize("family, overrides, dense", [
+    ("llama", {}, 2), ("llama", {"mlp_bias": True}, 2), ("qwen2", {}, 2), ("qwen3", {}, 2), ("mistral", {}, 2),
+    ("qwen3_moe", {"mlp_only_layers": [0, 1]}, 2), ("deepseek_v3", {}, 1), ("glm4_moe_lite", {}, 1),
+    ("glm4_moe", {}, 1), ("mistral4", {}, 1), ("qwen3_vl", {}, 2), ("qwen3_5_text", {}, 3), ("bailing_hybrid", {}, 1)])
+def test_selective_rewrites_every_dense_gated_mlp_and_matches_no_policy(family, overrides, dense):
     model = tiny_model(family, **overrides)
+    ids = torch.randint(0, model.config.get_text_config().vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    ref_loss, ref_grads = _hf_loss_and_grads(model, ids)
     policy = SelectiveRecompute().apply(model)
-    assert (policy.num_mlps, policy.num_whole_mlps) == (2, 0)
+    assert (policy.num_mlps, policy.num_whole_mlps) == (dense, 0)
+    loss, grads = _hf_loss_and_grads(model, ids)
+    assert _rel(loss, ref_loss) < RTOL and set(grads) == set(ref_grads)
+    _assert_close_dicts(grads, ref_grads, (family,))
 
 
 class _ClampedBiasedMLP(torch.nn.Module):

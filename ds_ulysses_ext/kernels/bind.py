@@ -6,7 +6,8 @@ k [B, Hkv, s, D], cos, sin [B, s, D].
 What is bound, by structure rather than by class name, so every family with these modules gets them:
 - an RMSNorm: a module with `weight` [H] and `variance_epsilon` (HF's norms, Qwen3's q/k norms, the final norm);
   GPT-OSS's scales in fp32 before the cast (`FP32_WEIGHT_NORMS`), the others cast first;
-- a dense SwiGLU MLP: `gate_proj`, `up_proj`, `down_proj` and a SiLU `act_fn` (MoE experts are our own kernels);
+- a dense SwiGLU MLP: `gate_proj`, `up_proj`, `down_proj` and a SiLU `act_fn`, whose class's forward is HF's gated MLP
+  to the bytecode (hf_code.py; MoE experts are our own kernels);
 - the sibling projections, q/k/v and gate/up, as one autograd node each (kernels/projections.py: their input
   gradients summed in cuBLAS's epilogue; under except_attention the replay skips the unused q/k/v GEMMs);
 - RoPE, in an attention module whose forward calls its modeling file's `apply_rotary_pos_emb` and whose function is
@@ -29,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import UnsupportedError
+from ..hf_code import is_plain_gated_mlp, same_code
 from .projections import bind_projection_groups
 from .providers import provider_for
 
@@ -44,7 +46,7 @@ class KernelReport:
     mlps: int = 0
     ropes: int = 0
     projection_groups: int = 0  # q/k/v and gate/up run as one node each (kernels/projections.py)
-    skipped_mlps: list = field(default_factory=list)  # class names of MLPs left eager (not SiLU-gated)
+    skipped_mlps: list = field(default_factory=list)  # class names of MLPs left eager (not HF's SiLU-gated form)
     skipped_norms: list = field(default_factory=list)  # shaped like an RMSNorm, computing something else: eager
     # the provider's fused loss head, (hidden [T, H], weight [V, H], labels [T]) -> fp32 sum, for CPCausalLM's
     # HeadLoss to run in place of loss.py's chunked one; None: loss.py's
@@ -92,7 +94,9 @@ def apply_fused_kernels(model: torch.nn.Module, mode: str, device: torch.device,
             else:
                 report.skipped_norms.append(type(module).__name__)
         elif _is_gated_mlp(module):
-            if is_silu(module.act_fn):
+            # the fused forward computes down(silu(gate) * up): a module of those names computing anything else
+            # (a clamp, a norm on the product) keeps its own forward
+            if is_silu(module.act_fn) and is_plain_gated_mlp(module):
                 _bind_mlp(module, provider)
                 report.mlps += 1
             else:
@@ -179,14 +183,8 @@ def _llama_rope_caller(m) -> bool:
     if code is None or "forward" in m.__dict__ or "apply_rotary_pos_emb" not in code.co_names:
         return False
     from transformers.models.llama import modeling_llama
-    return (_same_code(fn.__globals__.get("apply_rotary_pos_emb"), modeling_llama.apply_rotary_pos_emb)
-            and _same_code(fn.__globals__.get("rotate_half"), modeling_llama.rotate_half))
-
-
-def _same_code(f, g) -> bool:
-    a, b = getattr(f, "__code__", None), getattr(g, "__code__", None)
-    return a is not None and b is not None and (a.co_code, a.co_consts, a.co_names, a.co_varnames) == \
-        (b.co_code, b.co_consts, b.co_names, b.co_varnames) and f.__defaults__ == g.__defaults__
+    return (same_code(fn.__globals__.get("apply_rotary_pos_emb"), modeling_llama.apply_rotary_pos_emb)
+            and same_code(fn.__globals__.get("rotate_half"), modeling_llama.rotate_half))
 
 
 def _bind_rope(attn, provider) -> None:

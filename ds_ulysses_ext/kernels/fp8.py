@@ -34,14 +34,13 @@ from typing import Callable, Optional
 import torch
 
 from ..errors import UnsupportedError
-from ..memory.recompute import is_known_gated_mlp
+from ..hf_code import MLP_NAMES, is_plain_gated_mlp
 from .fp8_delayed import bind_delayed_mlp, delayed_linears
 from .fp8_scales import DelayedScales
 
 log = logging.getLogger(__name__)
 
 ROUTER_NAMES = ("gate", "router", "shared_expert_gate")
-MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
 QKV_NAMES = ("q_proj", "k_proj", "v_proj")
 ALIGN = 16  # torch._scaled_mm needs both GEMM dimensions divisible by 16
 MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada, Hopper, Blackwell
@@ -210,7 +209,7 @@ def apply_fp8(hf_model: torch.nn.Module, recipe: str, linears: str, compile_cast
             report.per_linear_why = "ZeRO-3 partitions the weights: its gather hooks stay outside each compiled linear"
         else:
             for name, module in decoder.layers.named_modules():
-                if is_known_gated_mlp(module) and all(f"{name}.{p}" in chosen for p in MLP_NAMES):
+                if is_plain_gated_mlp(module) and all(f"{name}.{p}" in chosen for p in MLP_NAMES):
                     _compile_whole_mlp(module, compile_fn)
                     report.whole_mlps += 1
                 if compile_casts == "regions" and all(f"{name}.{p}" in chosen for p in QKV_NAMES):
@@ -243,7 +242,7 @@ def _bind_delayed(decoder, chosen: set, report: Fp8Report, partitioned: bool, hi
         names = [f"{name}.{p}" for p in MLP_NAMES]
         if all(n in chosen for n in names):
             mlps_chosen = True
-            if not is_known_gated_mlp(module):
+            if not is_plain_gated_mlp(module):
                 why.add(f"{type(module).__name__} is not a known down(act(gate) * up) MLP")
             elif not is_silu(module.act_fn):
                 why.add(f"{type(module).__name__}'s activation is not SiLU")

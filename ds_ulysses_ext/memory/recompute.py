@@ -8,7 +8,7 @@
   num_layers layers, recomputing all of them; here both methods recompute exactly num_layers layers.)
 - `SelectiveRecompute`: keeps matmul outputs and the attention output; recomputes only the RMSNorms and
   the MLP's SiLU(gate) * up product. Never re-runs attention, so never re-issues its all-to-alls.
-  The MLP is rewritten only for the classes in GATED_MLPS, whose forward is exactly down(act(gate) * up);
+  The MLP is rewritten only where its class's forward is exactly down(act(gate) * up) (hf_code.py, to the bytecode);
   any other MLP with gate/up/down projections (a biased, clamped or otherwise changed SwiGLU) runs its own
   forward under one checkpoint instead, with a log line, since rewriting it would change the model.
 
@@ -36,6 +36,7 @@ from typing import Callable, Optional
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from ..hf_code import is_plain_gated_mlp
 from .policy import MemoryPolicy, decoder_layers, decoder_of
 
 log = logging.getLogger(__name__)
@@ -117,27 +118,8 @@ def _is_rms_norm(module: torch.nn.Module) -> bool:
     return type(module).__name__.endswith("RMSNorm")
 
 
-# (module, class) of the HF MLPs whose forward is down_proj(act_fn(gate_proj(x)) * up_proj(x)), read in
-# transformers 5.22.2. Matched by exact class and by the class's own forward, so a subclass or a patched
-# forward is not taken for one of them.
-GATED_MLPS = frozenset({
-    ("transformers.models.llama.modeling_llama", "LlamaMLP"),  # mlp_bias lives inside the projections
-    ("transformers.models.qwen2.modeling_qwen2", "Qwen2MLP"),
-    ("transformers.models.qwen3.modeling_qwen3", "Qwen3MLP"),
-    ("transformers.models.mistral.modeling_mistral", "MistralMLP"),
-    ("transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeMLP"),  # qwen3_moe's dense layers
-})
-
-
 def _looks_gated(module: torch.nn.Module) -> bool:
     return all(hasattr(module, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn"))
-
-
-def is_known_gated_mlp(module: torch.nn.Module) -> bool:
-    cls = type(module)
-    forward = cls.__dict__.get("forward")
-    return ((cls.__module__, cls.__qualname__) in GATED_MLPS and forward is not None
-            and (forward.__module__, forward.__qualname__) == (cls.__module__, f"{cls.__qualname__}.forward"))
 
 
 def _selective_mlp_forward(mlp: torch.nn.Module, act_mul: Optional[Callable] = None) -> Callable:
@@ -190,7 +172,7 @@ class SelectiveRecompute(MemoryPolicy):
             if bound is not None:
                 self._wrap_forward(mlp, lambda _current, mlp=mlp, bound=bound: _selective_mlp_forward(mlp, bound))
                 self.num_mlps += 1
-            elif is_known_gated_mlp(mlp):
+            elif is_plain_gated_mlp(mlp):
                 self._wrap_forward(mlp, lambda _current, mlp=mlp: _selective_mlp_forward(mlp))
                 self.num_mlps += 1
             else:

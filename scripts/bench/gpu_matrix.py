@@ -112,9 +112,9 @@ FAMILIES = {
 HYBRID = ("qwen3_5_moe", "qwen3_5_dense")
 # FP8 cells (--fp8): the dense families, whose MLPs fp8.recipe=delayed takes (gated SiLU, no biases). The MoE families'
 # layers are all sparse here, and their experts stay bf16, so precision=fp8 refuses them with fp8.linears=mlp; under
-# fp8.linears=all their attention projections run in FP8: Qwen3-MoE's with delayed scales too (its q/k/v groups and
-# o_proj); DeepSeek-V3's MLA with tensorwise alone, since the delayed recipe refuses its dense MLPs (DeepseekV3MLP is
-# not among the gated MLPs it knows)
+# fp8.linears=all their attention projections run in FP8, with delayed scales on Qwen3-MoE's q/k/v groups and o_proj,
+# and on DeepSeek-V3's first (dense) layer's MLP and its o_proj (MLA's other projections and the shared experts keep
+# tensorwise's dynamic scales)
 FP8_FAMILIES = ("llama_d64", "llama_d128", "qwen3_d128")
 FP8_EAGER = ["precision=fp8", "fp8.recipe=tensorwise", "fp8.compile=false", "model.kernels=none", "memory=none"]
 FP8_CELLS = {  # name: overrides (each with precision=fp8 and model.kernels=liger), packed
@@ -129,7 +129,8 @@ FP8_MOE_CELLS = {  # family: its cells, as FP8_CELLS (the experts stay bf16)
     "qwen3_moe": {"fp8 tensorwise all": (["fp8.recipe=tensorwise", "fp8.linears=all"], False),
                   "fp8 delayed all": (["fp8.recipe=delayed", "fp8.linears=all"], False),
                   "fp8 delayed all packed": (["fp8.recipe=delayed", "fp8.linears=all"], True)},
-    "deepseek_v3_mla": {"fp8 tensorwise all": (["fp8.recipe=tensorwise", "fp8.linears=all"], False)},
+    "deepseek_v3_mla": {"fp8 tensorwise all": (["fp8.recipe=tensorwise", "fp8.linears=all"], False),
+                        "fp8 delayed all": (["fp8.recipe=delayed", "fp8.linears=all"], False)},
 }
 # FlashAttention-4 cells (--fa4, after the FA4 wheels are installed): head dims it takes, windows and sinks among them
 FA4_FAMILIES = ("llama_d64", "llama_d128", "qwen3_moe", "gpt_oss", "cohere2_moe")
