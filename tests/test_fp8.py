@@ -439,28 +439,20 @@ def test_delayed_trains_within_fp8s_distance_and_logs_its_scales(delayed_runs):
     assert 0 < max(d) < 2e-2, d  # FP8's rounding (tensorwise's measured distance here: up to 4e-3), not more
 
 
-def test_delayed_on_an_moe_model_trains_within_fp8s_distance(tmp_path):
-    # Qwen3-MoE: attention's q/k/v groups and o_proj take delayed scales, the experts and routers stay bf16
-    common = ["model=tiny_moe", "trainer.max_steps=3", "precision=bf16", "parallelism.cp=1"]
+# Qwen3-MoE: attention's q/k/v groups and o_proj take delayed scales, the experts and routers stay bf16 (4 layers).
+# DeepSeek-V3: the dense first layer's DeepseekV3MLP (HF's gated MLP to the bytecode, hf_code.py; refused as unknown
+# before 2026-12-08) and every o_proj take them; MLA's other projections (no q/k/v group) and the shared experts (our
+# SwiGLU, one function of its own) keep tensorwise's dynamic scales (3 layers). Step 1's dynamic slots: 6 an MLP, 3 a
+# q/k/v group or o_proj
+@pytest.mark.parametrize("model, delayed, dynamic", [("tiny_moe", (0, 4, 4), 4 * (3 + 3)),
+                                                     ("tiny_deepseek_v3", (1, 0, 3), 6 + 3 * 3)])
+def test_delayed_on_an_moe_model_trains_within_fp8s_distance(tmp_path, model, delayed, dynamic):
+    common = [f"model={model}", "trainer.max_steps=3", "precision=bf16", "parallelism.cp=1"]
     bf16 = train(tmp_path, "bf16", 1, common)
     rows = train(tmp_path, "delayed", 1, common + DELAYED)
     report = rows[0]["fp8"]
-    assert (report["delayed_mlps"], report["delayed_qkv"], report["delayed_o"]) == (0, 4, 4), report
-    assert rows[0]["fp8_dynamic"] == 4 * (3 + 3) and all(r["fp8_dynamic"] == 0 for r in rows[1:])
-    d = [_rel(f["loss"], b["loss"]) for f, b in zip(rows, bf16)]
-    assert 0 < max(d) < 2e-2, d  # FP8's rounding, as the dense model's bound above
-
-
-def test_delayed_on_deepseek_takes_its_dense_mlp_and_trains_within_fp8s_distance(tmp_path):
-    # DeepSeek-V3: the dense first layer's DeepseekV3MLP (HF's gated MLP to the bytecode, hf_code.py; refused as
-    # unknown before 2026-12-08) and every o_proj take delayed scales; MLA's other projections (no q/k/v group) and
-    # the shared experts (our SwiGLU, one function of its own) keep tensorwise's dynamic ones, and the report says why
-    common = ["model=tiny_deepseek_v3", "trainer.max_steps=3", "precision=bf16", "parallelism.cp=1"]
-    bf16 = train(tmp_path, "bf16", 1, common)
-    rows = train(tmp_path, "delayed", 1, common + DELAYED)
-    report = rows[0]["fp8"]
-    assert (report["delayed_mlps"], report["delayed_qkv"], report["delayed_o"]) == (1, 0, 3), report
-    assert rows[0]["fp8_dynamic"] == 6 + 3 * 3 and all(r["fp8_dynamic"] == 0 for r in rows[1:])
+    assert (report["delayed_mlps"], report["delayed_qkv"], report["delayed_o"]) == delayed, report
+    assert rows[0]["fp8_dynamic"] == dynamic and all(r["fp8_dynamic"] == 0 for r in rows[1:])
     d = [_rel(f["loss"], b["loss"]) for f, b in zip(rows, bf16)]
     assert 0 < max(d) < 2e-2, d  # FP8's rounding, as the dense model's bound above
 
