@@ -226,11 +226,12 @@ def apply_fp8(hf_model: torch.nn.Module, recipe: str, linears: str, compile_cast
 def _bind_delayed(decoder, chosen: set, report: Fp8Report, partitioned: bool, history: int,
                   device: Optional[torch.device]) -> None:
     """fp8.recipe=delayed: bind each site the delayed Functions compute (kernels/fp8_delayed.py), and take its linears
-    out of `chosen` (they stay nn.Linear, read by the Function): each gated MLP whose three projections are chosen, of
-    a known class (HF's own forward), with SiLU and no biases; each attention's q/k/v where all three are chosen and
-    have no bias (one group: one cast of x); each chosen o_proj without a bias. Refused where MLPs were chosen and
-    none qualifies: the user asked for delayed scales, and the MLPs are most of what they buy. A model whose every
-    MLP is an MoE block (its experts are not linears) has none to choose: its attention takes the delayed scales."""
+    out of `chosen` (they stay nn.Linear, read by the Function): each gated MLP whose three projections are chosen,
+    HF's gated MLP to the bytecode (hf_code.py), with SiLU and no biases; each attention's q/k/v where all three are
+    chosen and have no bias (one group: one cast of x); each chosen o_proj without a bias. Refused where MLPs were
+    chosen and none qualifies: the user asked for delayed scales, and the MLPs are most of what they buy. A model
+    whose every MLP is an MoE block (its experts are not linears) has none to choose: its attention takes the delayed
+    scales."""
     from .bind import is_silu
     from .projections import ProjectionGroup
     if partitioned:
